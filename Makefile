@@ -1,0 +1,38 @@
+# `make demo` and `make test` are all a fresh machine needs: each creates .venv
+# when it is missing and installs the pinned environment and hpdl first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hpdl-installed
+
+.PHONY: install demo test lint typecheck unit bench-comm clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/hpdl bench comm --quick
+
+lint: install
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+
+typecheck: install
+	$(BIN)/mypy
+
+unit: install
+	OMP_NUM_THREADS=1 $(BIN)/pytest
+
+test: lint typecheck unit
+
+bench-comm: install
+	$(BIN)/hpdl bench comm
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache bench-results

@@ -1,0 +1,903 @@
+"""`hpdl bench comm`: OSU-style latency and bandwidth of hpdl's collectives beside the raw engines.
+
+Four columns share one launch, one set of buffers and one schedule, and
+alternate per repetition (A B C D A B C D ...), so that drift on a shared
+machine hits them alike:
+
+    hpdl-mpi           hpdl.init("mpi")   communicator (mpi4py underneath)
+    hpdl-torch         hpdl.init("torch") communicator (gloo underneath)
+    mpi4py             raw MPI.COMM_WORLD calls on NumPy arrays (same memory)
+    torch.distributed  raw torch.distributed calls on gloo
+
+It also measures tensor fusion (200 x 4 KiB tensors), the cost of debug
+mode, and a single-process memory copy as a ceiling for the allreduce.
+
+Run it with `hpdl bench comm [-n 2] [--quick]` (this module's `launch`),
+which starts `mpiexec -n N python -m hpdl.bench.comm --worker ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from hpdl.bench import report
+
+__all__ = ["launch", "main"]
+
+KIB = 1 << 10
+MIB = 1 << 20
+DEFAULT_SIZES = tuple(4**k for k in range(1, 14))  # 4 B .. 64 MiB
+QUICK_SIZES = (4, KIB, 64 * KIB, MIB)
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "sendrecv")
+COLUMNS = ("hpdl-mpi", "hpdl-torch", "mpi4py", "torch.distributed")
+FUSION_TENSORS = 200
+FUSION_BYTES = 4 * KIB
+DEBUG_SIZES = (4, 64 * KIB, 4 * MIB)
+COPY_FROM = 64 * KIB
+ITEMSIZE = 4  # float32
+
+# Targets printed as PASS/MISS at the end; a MISS never fails the run (benchmarks are not tests).
+TARGET_VS_MPI4PY = 1.10
+TARGET_VS_MPI4PY_FROM = 64 * KIB
+TARGET_VS_GLOO = 0.7
+TARGET_VS_GLOO_FROM = MIB
+TARGET_FUSION = 5.0
+
+TIMING = (
+    "per repetition: MPI barrier on COMM_WORLD, then every rank times its own call with time.perf_counter(); "
+    "a repetition's time is the max over ranks (send/recv: rank 0's round trip / 2; memory copy: rank 0 alone "
+    "while the other ranks wait in a barrier)"
+)
+SIZE_MEANING = (
+    "bytes = the message: allreduce/broadcast/send buffer; allgather: each rank's contribution (output = ranks x "
+    "bytes); reduce_scatter: each rank's output block (input = ranks x bytes). GB/s = bytes / median time, 1 GB = 1e9 B"
+)
+
+
+# --------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class Options:
+    """What one run measures; every field is printed in the header and stored in each JSON record."""
+
+    ranks: int = 2
+    """MPI processes (`-n`); send/recv uses ranks 0 and 1."""
+    quick: bool = False
+    """A few sizes up to 1 MiB and few repetitions: a smoke test of this code, not a measurement."""
+    out: str = "bench-results/comm"
+    """Folder for comm.json, comm.md and comm.png."""
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    """Message sizes in bytes (multiples of 4: float32)."""
+    iters: int = 200
+    """Most timed repetitions per column and size (small messages reach it)."""
+    min_iters: int = 7
+    """Fewest timed repetitions per column and size (large messages, bounded by `budget`)."""
+    warmup: int = 5
+    """Untimed calls per column before timing (2 for sizes of 1 MiB and more)."""
+    budget: float = 1.5
+    """Seconds of timed repetitions per (operation, size), all columns together."""
+    timeout: float = 1800.0
+    """Seconds before `launch` stops the whole job."""
+    worker: bool = False
+
+    def forwarded(self) -> list[str]:
+        """The worker's arguments: explicit values, so every rank runs the same configuration."""
+        args = ["--worker", "--out", os.path.abspath(self.out), "--iters", str(self.iters)]
+        args += ["--budget", str(self.budget), "--sizes", *map(str, self.sizes)]
+        return args + (["--quick"] if self.quick else [])
+
+
+def _size(text: str) -> int:
+    try:
+        value = report.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value % ITEMSIZE:
+        raise argparse.ArgumentTypeError(f"size {text!r} = {value} B is not a multiple of {ITEMSIZE} B (float32)")
+    return value
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+
+    return convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpdl bench comm",
+        description="Latency and bandwidth of hpdl-mpi and hpdl-torch beside raw mpi4py and torch.distributed "
+        "(gloo), alternating per repetition in one launch.",
+    )
+    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="MPI processes (default 2)")
+    parser.add_argument("--quick", action="store_true", help="a few sizes up to 1 MiB, few repetitions (seconds)")
+    parser.add_argument("--out", default="bench-results/comm", help="output folder (default bench-results/comm)")
+    parser.add_argument("--sizes", nargs="+", type=_size, help="message sizes, e.g. 4 64K 1M (default 4 B .. 64 MiB)")
+    parser.add_argument("--iters", type=_positive(int), help="most timed repetitions per column and size")
+    parser.add_argument("--budget", type=_positive(float), help="seconds of timing per (operation, size)")
+    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse(argv: Sequence[str]) -> Options:
+    parser = build_parser()
+    ns = parser.parse_args(list(argv))
+    quick = bool(ns.quick)
+    sizes = tuple(sorted(set(ns.sizes))) if ns.sizes else (QUICK_SIZES if quick else DEFAULT_SIZES)
+    if ns.ranks < 2:
+        parser.error(f"-n {ns.ranks}: the benchmark needs at least 2 ranks (send/recv pairs ranks 0 and 1)")
+    return Options(
+        ranks=ns.ranks,
+        quick=quick,
+        out=ns.out,
+        sizes=sizes,
+        iters=ns.iters or (10 if quick else 200),
+        min_iters=3 if quick else 7,
+        warmup=2 if quick else 5,
+        budget=ns.budget or (0.25 if quick else 1.5),
+        timeout=ns.timeout,
+        worker=bool(ns.worker),
+    )
+
+
+# --------------------------------------------------------------------------- launcher
+def launch(argv: list[str]) -> int:
+    """Start the benchmark under mpiexec (the one beside this Python) and return its exit code."""
+    try:
+        options = parse(argv)
+    except SystemExit as stop:  # argparse errors (2) and --help (0): return the code, do not exit the caller
+        return stop.code if isinstance(stop.code, int) else 0
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        return _say(
+            "hpdl bench comm: no mpiexec beside this Python or on PATH; install one with `pip install mpich` "
+            "(or `pip install 'hpdl[mpich]'`)",
+            127,
+        )
+    command = [mpiexec, "-n", str(options.ranks), sys.executable, "-m", "hpdl.bench.comm", *options.forwarded()]
+    print("hpdl bench comm: " + " ".join(command), flush=True)
+    process = subprocess.Popen(command, env=_worker_environment())
+    try:
+        return process.wait(timeout=options.timeout)
+    except subprocess.TimeoutExpired:
+        _stop(process)
+        return _say(f"hpdl bench comm: stopped after --timeout {options.timeout:g} s", 124)
+    except KeyboardInterrupt:
+        _stop(process)
+        raise
+
+
+def find_mpiexec() -> Optional[str]:
+    """The mpiexec of this environment first (the `mpich` wheel puts it beside python), then PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def _worker_environment() -> dict[str, str]:
+    """One thread per rank, hpdl importable, and no launcher variables inherited from an outer job."""
+    import hpdl
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PMI_", "PMIX_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM mpiexec (Hydra forwards it to the ranks), then kill it if it does not go."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _say(message: str, code: int) -> int:
+    print(message, file=sys.stderr)
+    return code
+
+
+# --------------------------------------------------------------------------- timing
+Column = Callable[[], Any]
+
+
+@dataclass
+class Case:
+    """One (operation, size): the columns to alternate, and how to check that each computes the right thing."""
+
+    columns: dict[str, Column]
+    fill: Callable[[], None]
+    """Put the check pattern into the inputs."""
+    correct: Callable[[Any], bool]
+    """Whether a column's return value (or the in-place buffer) holds the expected result on this rank."""
+    clear: Callable[[], None]
+    """Zero the inputs, so that repeated reductions neither overflow nor change the arithmetic."""
+
+
+@dataclass
+class Bench:
+    """The communicators, the raw engines, and the repetition rule of one run."""
+
+    options: Options
+    mpi: Any
+    gloo: Any
+    world: Any = field(init=False)
+    dist: Any = field(init=False)
+    MPI: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.world = MPI.COMM_WORLD
+        self.dist = dist
+
+    @property
+    def rank(self) -> int:
+        return int(self.mpi.rank)
+
+    @property
+    def size(self) -> int:
+        return int(self.mpi.size)
+
+    def check(self, name: str, case: Case) -> None:
+        """Run each column once on the check pattern; a wrong result stops the job (speed without accuracy is void)."""
+        for column, fn in case.columns.items():
+            case.fill()
+            self.world.Barrier()
+            result = fn()
+            ok = case.correct(result)
+            verdict = self.world.allreduce(int(not ok), op=self.MPI.SUM)
+            if verdict:
+                raise RuntimeError(f"{name}: column {column} computed a wrong result on {verdict} rank(s)")
+        case.clear()
+
+    def time(
+        self, columns: Mapping[str, Column], *, warmup: int, reduce: str = "max", budget: Optional[float] = None
+    ) -> tuple[dict[str, list[float]], int]:
+        """Alternate the columns per repetition and return each column's seconds per repetition, and the count.
+
+        The count comes from the slowest warm-up round: as many repetitions
+        as fit `budget`, between `min_iters` and `iters`. Every rank derives
+        the same count from the same (max-reduced) estimate.
+        """
+        from time import perf_counter
+
+        names = list(columns)
+        fns = [columns[n] for n in names]
+        barrier = self.world.Barrier
+        last = np.zeros(len(fns))
+        for _ in range(max(1, warmup)):
+            for i, fn in enumerate(fns):
+                barrier()
+                start = perf_counter()
+                fn()
+                last[i] = perf_counter() - start
+        self.world.Allreduce(self.MPI.IN_PLACE, last, op=self.MPI.MAX)
+        per_round = float(last.sum()) + 10e-6 * len(fns)  # plus one barrier per column
+        limit = self.options.budget if budget is None else budget
+        reps = int(min(self.options.iters, max(self.options.min_iters, limit // per_round)))
+        times = np.zeros((len(fns), reps))
+        for r in range(reps):
+            for i, fn in enumerate(fns):
+                barrier()
+                start = perf_counter()
+                fn()
+                times[i, r] = perf_counter() - start
+        if reduce == "max":
+            self.world.Allreduce(self.MPI.IN_PLACE, times, op=self.MPI.MAX)
+        else:  # rank 0's clock (ping-pong, single-process copy)
+            self.world.Bcast(times, root=0)
+        return {n: times[i].tolist() for i, n in enumerate(names)}, reps
+
+    def warmup_for(self, nbytes: int) -> int:
+        return min(2, self.options.warmup) if nbytes >= MIB else self.options.warmup
+
+
+# --------------------------------------------------------------------------- the cases
+def allreduce_case(b: Bench, nbytes: int) -> Case:
+    import torch
+
+    buf = torch.zeros(nbytes // ITEMSIZE)
+    arr = buf.numpy()
+    p = b.size
+
+    def raw_mpi() -> Any:
+        b.world.Allreduce(b.MPI.IN_PLACE, arr, op=b.MPI.SUM)
+        return buf
+
+    def raw_torch() -> Any:
+        b.dist.all_reduce(buf)
+        return buf
+
+    return Case(
+        columns={
+            "hpdl-mpi": lambda: b.mpi.allreduce(buf),
+            "hpdl-torch": lambda: b.gloo.allreduce(buf),
+            "mpi4py": raw_mpi,
+            "torch.distributed": raw_torch,
+        },
+        fill=lambda: buf.fill_(b.rank + 1),
+        correct=lambda _: bool((buf == p * (p + 1) / 2).all()),
+        clear=buf.zero_,
+    )
+
+
+def allgather_case(b: Bench, nbytes: int) -> Case:
+    import torch
+
+    n, p = nbytes // ITEMSIZE, b.size
+    inp, out = torch.zeros(n), torch.zeros(n * p)
+    inp_arr, out_arr = inp.numpy(), out.numpy()
+    sizes = [n] * p
+    expected = torch.arange(1, p + 1, dtype=torch.float32).repeat_interleave(n)
+
+    def raw_mpi() -> Any:
+        b.world.Allgather(inp_arr, out_arr)
+        return out
+
+    def raw_torch() -> Any:
+        b.dist.all_gather_into_tensor(out, inp)
+        return out
+
+    def fill() -> None:
+        inp.fill_(b.rank + 1)
+        out.zero_()
+
+    return Case(
+        columns={
+            "hpdl-mpi": lambda: b.mpi.allgather(inp, sizes=sizes),
+            "hpdl-torch": lambda: b.gloo.allgather(inp, sizes=sizes),
+            "mpi4py": raw_mpi,
+            "torch.distributed": raw_torch,
+        },
+        fill=fill,
+        correct=lambda result: bool(torch.equal(torch.as_tensor(result), expected)),
+        clear=lambda: (inp.zero_(), out.zero_(), None)[-1],
+    )
+
+
+def reduce_scatter_case(b: Bench, nbytes: int) -> Case:
+    import torch
+
+    n, p = nbytes // ITEMSIZE, b.size
+    inp, out = torch.zeros(n * p), torch.zeros(n)
+    inp_arr, out_arr = inp.numpy(), out.numpy()
+    # Block j of rank q holds (q + 1) + 10 j, so rank r must end with sum_q (q + 1) + 10 r p: right sum, right block.
+    want = p * (p + 1) / 2 + 10 * b.rank * p
+
+    def raw_mpi() -> Any:
+        b.world.Reduce_scatter_block(inp_arr, out_arr, op=b.MPI.SUM)
+        return out
+
+    def raw_torch() -> Any:
+        b.dist.reduce_scatter_tensor(out, inp)
+        return out
+
+    def fill() -> None:
+        inp.view(p, n).copy_((b.rank + 1 + 10 * torch.arange(p, dtype=torch.float32)).unsqueeze(1).expand(p, n))
+        out.zero_()
+
+    return Case(
+        columns={
+            "hpdl-mpi": lambda: b.mpi.reduce_scatter(inp),
+            "hpdl-torch": lambda: b.gloo.reduce_scatter(inp),
+            "mpi4py": raw_mpi,
+            "torch.distributed": raw_torch,
+        },
+        fill=fill,
+        correct=lambda result: bool((torch.as_tensor(result) == want).all()),
+        clear=lambda: (inp.zero_(), out.zero_(), None)[-1],
+    )
+
+
+def broadcast_case(b: Bench, nbytes: int) -> Case:
+    import torch
+
+    buf = torch.zeros(nbytes // ITEMSIZE)
+    arr = buf.numpy()
+
+    def raw_mpi() -> Any:
+        b.world.Bcast(arr, root=0)
+        return buf
+
+    def raw_torch() -> Any:
+        b.dist.broadcast(buf, 0)
+        return buf
+
+    return Case(
+        columns={
+            "hpdl-mpi": lambda: b.mpi.broadcast(buf, 0),
+            "hpdl-torch": lambda: b.gloo.broadcast(buf, 0),
+            "mpi4py": raw_mpi,
+            "torch.distributed": raw_torch,
+        },
+        fill=lambda: buf.fill_(7.0 if b.rank == 0 else 0.0),
+        correct=lambda _: bool((buf == 7.0).all()),
+        clear=buf.zero_,
+    )
+
+
+def sendrecv_case(b: Bench, nbytes: int) -> Case:
+    """Ping-pong between ranks 0 and 1 (rank 0 sends first); other ranks only take part in the barriers."""
+    import torch
+
+    buf = torch.zeros(nbytes // ITEMSIZE)
+    arr = buf.numpy()
+    rank = b.rank
+
+    def pingpong(send: Callable[[int], Any], recv: Callable[[int], Any]) -> Column:
+        def run() -> Any:
+            if rank == 0:
+                send(1)
+                recv(1)
+            elif rank == 1:
+                recv(0)
+                send(0)
+            return buf
+
+        return run
+
+    return Case(
+        columns={
+            "hpdl-mpi": pingpong(lambda d: b.mpi.send(buf, d), lambda s: b.mpi.recv(buf, s)),
+            "hpdl-torch": pingpong(lambda d: b.gloo.send(buf, d), lambda s: b.gloo.recv(buf, s)),
+            "mpi4py": pingpong(lambda d: b.world.Send(arr, dest=d), lambda s: b.world.Recv(arr, source=s)),
+            "torch.distributed": pingpong(lambda d: b.dist.send(buf, d), lambda s: b.dist.recv(buf, s)),
+        },
+        fill=lambda: buf.fill_(5.0 if rank == 0 else 0.0),
+        correct=lambda _: rank > 1 or bool((buf == 5.0).all()),
+        clear=buf.zero_,
+    )
+
+
+CASES: dict[str, Callable[[Bench, int], Case]] = {
+    "allreduce": allreduce_case,
+    "allgather": allgather_case,
+    "reduce_scatter": reduce_scatter_case,
+    "broadcast": broadcast_case,
+    "sendrecv": sendrecv_case,
+}
+
+
+# --------------------------------------------------------------------------- measurements
+def measure_ops(b: Bench) -> list[dict[str, Any]]:
+    """The OSU-style grid: every operation at every size, the four columns alternating."""
+    records = []
+    for op in OPS:
+        for nbytes in b.options.sizes:
+            case = CASES[op](b, nbytes)
+            b.check(f"{op} {report.format_bytes(nbytes)}", case)
+            warmup = b.warmup_for(nbytes)
+            pingpong = op == "sendrecv"
+            samples, reps = b.time(case.columns, warmup=warmup, reduce="rank0" if pingpong else "max")
+            for column, seconds in samples.items():
+                if pingpong:
+                    seconds = [s / 2 for s in seconds]
+                records.append(_record("latency", op, column, nbytes, seconds, reps, warmup, b, pingpong=pingpong))
+            del case
+    return records
+
+
+def measure_copy(b: Bench) -> list[dict[str, Any]]:
+    """`dst.copy_(src)` of the same bytes in one process: a ceiling no allreduce of those bytes can beat."""
+    import torch
+
+    records = []
+    for nbytes in [s for s in b.options.sizes if s >= COPY_FROM]:
+        src, dst = torch.ones(nbytes // ITEMSIZE), torch.empty(nbytes // ITEMSIZE)
+
+        def copy() -> None:
+            if b.rank == 0:
+                dst.copy_(src)
+
+        warmup = b.warmup_for(nbytes)
+        samples, reps = b.time({"memory copy": copy}, warmup=warmup, reduce="rank0", budget=b.options.budget / 4)
+        records.append(_record("copy", "copy", "memory copy", nbytes, samples["memory copy"], reps, warmup, b))
+    return records
+
+
+def measure_fusion(b: Bench) -> list[dict[str, Any]]:
+    """200 x 4 KiB through one `allreduce_coalesced` vs 200 `allreduce` calls; raw mpi4py as the floor."""
+    import torch
+
+    count, n = FUSION_TENSORS, FUSION_BYTES // ITEMSIZE
+    tensors = [torch.zeros(n) for _ in range(count)]
+    arrays = [t.numpy() for t in tensors]
+    flat = torch.zeros(count * n)
+    flat_arr = flat.numpy()
+
+    def separate(comm: Any) -> Column:
+        def run() -> None:
+            for t in tensors:
+                comm.allreduce(t)
+
+        return run
+
+    def raw_separate() -> None:
+        for a in arrays:
+            b.world.Allreduce(b.MPI.IN_PLACE, a, op=b.MPI.SUM)
+
+    columns: dict[str, Column] = {
+        "hpdl-mpi coalesced": lambda: b.mpi.allreduce_coalesced(tensors),
+        "hpdl-mpi separate": separate(b.mpi),
+        "hpdl-torch coalesced": lambda: b.gloo.allreduce_coalesced(tensors),
+        "hpdl-torch separate": separate(b.gloo),
+        "mpi4py one flat call": lambda: b.world.Allreduce(b.MPI.IN_PLACE, flat_arr, op=b.MPI.SUM),
+        "mpi4py separate": raw_separate,
+    }
+    p = b.size
+    for name in ("hpdl-mpi coalesced", "hpdl-torch coalesced"):
+        for t in tensors:
+            t.fill_(b.rank + 1)
+        b.world.Barrier()
+        columns[name]()
+        if not all(bool((t == p * (p + 1) / 2).all()) for t in tensors):
+            raise RuntimeError(f"fusion: {name} computed a wrong result on rank {b.rank}")
+    for t in tensors:
+        t.zero_()
+    warmup = b.options.warmup
+    samples, reps = b.time(columns, warmup=warmup, budget=2 * b.options.budget)
+    return [
+        _record("fusion", "allreduce x200", column, count * FUSION_BYTES, seconds, reps, warmup, b)
+        for column, seconds in samples.items()
+    ]
+
+
+def measure_debug(b: Bench) -> list[dict[str, Any]]:
+    """hpdl-mpi allreduce with `comm.debug` off and on (the fingerprint allgather before each call)."""
+    import torch
+
+    records = []
+    for nbytes in DEBUG_SIZES:
+        buf = torch.zeros(nbytes // ITEMSIZE)
+
+        def call(debug: bool, buf: torch.Tensor = buf) -> Column:
+            def run() -> None:
+                b.mpi.debug = debug  # the same value on every rank, as debug mode requires
+                b.mpi.allreduce(buf)
+
+            return run
+
+        warmup = b.warmup_for(nbytes)
+        try:
+            samples, reps = b.time({"debug off": call(False), "debug on": call(True)}, warmup=warmup)
+        finally:
+            b.mpi.debug = False
+        for column, seconds in samples.items():
+            records.append(_record("debug", "allreduce", column, nbytes, seconds, reps, warmup, b))
+    return records
+
+
+def _record(
+    section: str,
+    op: str,
+    column: str,
+    nbytes: int,
+    seconds: Sequence[float],
+    reps: int,
+    warmup: int,
+    b: Bench,
+    *,
+    pingpong: bool = False,
+) -> dict[str, Any]:
+    stats = report.summarize(seconds)
+    return {
+        "section": section,
+        "op": op,
+        "column": column,
+        "backend": _engine(column, b),
+        "bytes": nbytes,
+        "elements": nbytes // ITEMSIZE,
+        "reps": reps,
+        "warmup": warmup,
+        "timing": "rank 0, half round trip" if pingpong else ("rank 0" if section == "copy" else "max over ranks"),
+        "median_us": stats["median"] * 1e6,
+        "p10_us": stats["p10"] * 1e6,
+        "p90_us": stats["p90"] * 1e6,
+        "min_us": stats["min"] * 1e6,
+        "max_us": stats["max"] * 1e6,
+        "gbps": nbytes / stats["median"] / 1e9,
+        "correct": True,  # checked before timing; a wrong result stops the job
+        "samples_s": list(seconds),
+    }
+
+
+def _engine(column: str, b: Bench) -> str:
+    if column.startswith("hpdl-mpi") or column.startswith("debug"):
+        return f"hpdl mpi ({b.mpi.engine})"
+    if column.startswith("hpdl-torch"):
+        return f"hpdl torch ({b.gloo.engine})"
+    if column.startswith("mpi4py"):
+        return f"mpi4py ({b.mpi.engine})"
+    if column.startswith("torch.distributed"):
+        return str(b.gloo.engine)
+    return "local"
+
+
+# --------------------------------------------------------------------------- report (rank 0)
+def configuration(b: Bench) -> dict[str, Any]:
+    """Everything needed to rerun the measurement; printed as the header and merged into every JSON record."""
+    import torch
+
+    o = b.options
+    return report.environment(
+        benchmark="hpdl bench comm",
+        ranks=b.size,
+        threads_per_rank=torch.get_num_threads(),
+        dtype="float32",
+        sizes=list(o.sizes),
+        quick=o.quick,
+        iters_max=o.iters,
+        iters_min=o.min_iters,
+        budget_s=o.budget,
+        warmup=o.warmup,
+        warmup_from_1mib=min(2, o.warmup),
+        timing=TIMING,
+        size_meaning=SIZE_MEANING,
+        hpdl_mpi_engine=b.mpi.engine,
+        hpdl_torch_engine=b.gloo.engine,
+        fusion_tensors=FUSION_TENSORS,
+        fusion_tensor_bytes=FUSION_BYTES,
+        hpdl_fusion_mb=os.environ.get("HPDL_FUSION_MB", "64 (default)"),
+        debug_sizes=list(DEBUG_SIZES),
+    )
+
+
+def _by(records: Sequence[dict[str, Any]], section: str) -> dict[tuple[str, int, str], dict[str, Any]]:
+    return {(r["op"], r["bytes"], r["column"]): r for r in records if r["section"] == section}
+
+
+def _lat(record: Optional[dict[str, Any]]) -> str:
+    if record is None:
+        return "-"
+    return f"{_num(record['median_us'])} [{_num(record['p10_us'])}, {_num(record['p90_us'])}]"
+
+
+def _num(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _ratio(a: Optional[dict[str, Any]], c: Optional[dict[str, Any]]) -> Optional[float]:
+    return None if a is None or c is None else a["median_us"] / c["median_us"]
+
+
+def _fmt_ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def op_tables(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> str:
+    """One table per operation: latency median [p10, p90] in µs, bandwidth in GB/s, and the ratios."""
+    lat, copies = _by(records, "latency"), _by(records, "copy")
+    parts = []
+    for op in OPS:
+        headers = ["size"] + [f"{c} µs" for c in COLUMNS] + [f"{c} GB/s" for c in COLUMNS]
+        headers += ["hpdl-mpi/mpi4py", "hpdl-mpi/gloo", "hpdl-torch/gloo"]
+        if op == "allreduce":
+            headers += ["copy µs", "copy GB/s", "hpdl-mpi % of copy"]
+        rows = []
+        for n in sizes:
+            cells = {c: lat.get((op, n, c)) for c in COLUMNS}
+            row: list[Any] = [report.format_bytes(n)]
+            row += [_lat(cells[c]) for c in COLUMNS]
+            row += ["-" if cells[c] is None else f"{cells[c]['gbps']:.3g}" for c in COLUMNS]  # type: ignore[index]
+            row += [
+                _fmt_ratio(_ratio(cells["hpdl-mpi"], cells["mpi4py"])),
+                _fmt_ratio(_ratio(cells["hpdl-mpi"], cells["torch.distributed"])),
+                _fmt_ratio(_ratio(cells["hpdl-torch"], cells["torch.distributed"])),
+            ]
+            if op == "allreduce":
+                copy = copies.get(("copy", n, "memory copy"))
+                share = _ratio(copy, cells["hpdl-mpi"])
+                row += [
+                    _lat(copy),
+                    "-" if copy is None else f"{copy['gbps']:.3g}",
+                    "-" if share is None else f"{100 * share:.0f}%",
+                ]
+            rows.append(row)
+        title = {"sendrecv": "send/recv (ping-pong between ranks 0 and 1, half round trip)"}.get(op, op)
+        parts.append(f"### {title}\n\n" + report.markdown_table(headers, rows))
+    return "\n\n".join(parts)
+
+
+def fusion_table(records: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    fusion = {r["column"]: r for r in records if r["section"] == "fusion"}
+    for column, r in fusion.items():
+        rows.append([column, _lat(r), f"{r['median_us'] / FUSION_TENSORS:.3g}", r["reps"]])
+    lines = [report.markdown_table(["column", "µs per 200 tensors [p10, p90]", "µs per tensor", "reps"], rows)]
+    for engine in ("hpdl-mpi", "hpdl-torch"):
+        speedup = _ratio(fusion.get(f"{engine} separate"), fusion.get(f"{engine} coalesced"))
+        lines.append(f"- {engine}: coalesced is {_fmt_ratio(speedup)} faster than 200 separate calls")
+    floor = _ratio(fusion.get("hpdl-mpi coalesced"), fusion.get("mpi4py one flat call"))
+    lines.append(f"- hpdl-mpi coalesced takes {_fmt_ratio(floor)} the time of one raw mpi4py call on the packed bytes")
+    return "\n".join(lines)
+
+
+def debug_table(records: Sequence[dict[str, Any]]) -> str:
+    debug = _by(records, "debug")
+    rows = []
+    for n in DEBUG_SIZES:
+        off, on = debug.get(("allreduce", n, "debug off")), debug.get(("allreduce", n, "debug on"))
+        if off is None or on is None:
+            continue
+        extra = on["median_us"] - off["median_us"]
+        rows.append([report.format_bytes(n), _lat(off), _lat(on), f"{extra:+.3g}", _fmt_ratio(_ratio(on, off))])
+    headers = ["size", "debug off µs", "debug on µs", "overhead µs", "on/off"]
+    return report.markdown_table(headers, rows)
+
+
+def targets(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str]:
+    """PASS/MISS lines for the stated targets (ratios of medians; a MISS does not fail the run)."""
+    lat = _by(records, "latency")
+    lines = []
+    big = [n for n in sizes if n >= TARGET_VS_MPI4PY_FROM]
+    for op in OPS:
+        ratios = [(_ratio(lat.get((op, n, "hpdl-mpi")), lat.get((op, n, "mpi4py"))), n) for n in big]
+        lines.append(
+            _verdict(
+                f"{op}: hpdl-mpi within {TARGET_VS_MPI4PY:.2f}x of mpi4py for >= "
+                f"{report.format_bytes(TARGET_VS_MPI4PY_FROM)}",
+                ratios,
+                TARGET_VS_MPI4PY,
+                worst=max,
+            )
+        )
+    ratios = [
+        (_ratio(lat.get(("allreduce", n, "hpdl-mpi")), lat.get(("allreduce", n, "torch.distributed"))), n)
+        for n in sizes
+        if n >= TARGET_VS_GLOO_FROM
+    ]
+    lines.append(
+        _verdict(
+            f"allreduce: hpdl-mpi at most {TARGET_VS_GLOO}x the time of torch.distributed (gloo) for >= "
+            f"{report.format_bytes(TARGET_VS_GLOO_FROM)}",
+            ratios,
+            TARGET_VS_GLOO,
+            worst=max,
+        )
+    )
+    fusion = {r["column"]: r for r in records if r["section"] == "fusion"}
+    for engine in ("hpdl-mpi", "hpdl-torch"):
+        speedup = _ratio(fusion.get(f"{engine} separate"), fusion.get(f"{engine} coalesced"))
+        ok = speedup is not None and speedup >= TARGET_FUSION
+        shown = _fmt_ratio(speedup)
+        lines.append(
+            f"{'PASS' if ok else 'MISS'}  fusion ({engine}): coalesced >= {TARGET_FUSION:g}x faster than "
+            f"{FUSION_TENSORS} separate calls ({shown})"
+        )
+    return lines
+
+
+def _verdict(
+    claim: str, ratios: Sequence[tuple[Optional[float], int]], limit: float, worst: Callable[..., Any]
+) -> str:
+    known = [(r, n) for r, n in ratios if r is not None]
+    if not known:
+        return f"MISS  {claim} (no size in range was measured)"
+    ratio, n = worst(known, key=lambda item: item[0])
+    ok = ratio <= limit
+    detail = ", ".join(f"{report.format_bytes(m)}: {r:.2f}x" for r, m in known)
+    return f"{'PASS' if ok else 'MISS'}  {claim} (worst {ratio:.2f}x at {report.format_bytes(n)}; {detail})"
+
+
+def header_lines(config: Mapping[str, Any]) -> list[str]:
+    keys = (
+        "benchmark", "date", "hostname", "cpu", "cpu_count", "ranks", "threads_per_rank", "omp_num_threads",
+        "mpi_library_version", "mpi4py_version", "hpdl_mpi_engine", "hpdl_torch_engine", "torch_version",
+        "numpy_version", "python", "hpdl_version", "dtype", "sizes", "quick", "iters_max", "iters_min", "budget_s",
+        "warmup", "warmup_from_1mib", "fusion_tensors", "fusion_tensor_bytes", "hpdl_fusion_mb", "debug_sizes",
+        "timing", "size_meaning",
+    )  # fmt: skip
+    return [f"- {k}: {config.get(k)}" for k in keys]
+
+
+def plot(path: str, records: Sequence[dict[str, Any]], config: Mapping[str, Any]) -> bool:
+    """Latency vs size, one panel per operation, one line (with p10-p90 band) per column; log-log."""
+    lat, copies = _by(records, "latency"), _by(records, "copy")
+    panels: dict[str, dict[str, report.Series]] = {}
+    for op in OPS:
+        series: dict[str, report.Series] = {}
+        for column in COLUMNS:
+            rs = sorted((r for (o, _, c), r in lat.items() if o == op and c == column), key=lambda r: r["bytes"])
+            if rs:
+                series[column] = (
+                    [r["bytes"] for r in rs],
+                    [r["median_us"] for r in rs],
+                    [r["p10_us"] for r in rs],
+                    [r["p90_us"] for r in rs],
+                )
+        if op == "allreduce" and copies:
+            rs = sorted(copies.values(), key=lambda r: r["bytes"])
+            series["memory copy (1 process)"] = ([r["bytes"] for r in rs], [r["median_us"] for r in rs], None, None)
+        panels[op] = series
+    title = (
+        f"hpdl bench comm: {config['ranks']} ranks x {config['threads_per_rank']} thread, float32, "
+        f"{config['mpi_library_version']}, torch {config['torch_version']} (median, p10-p90)"
+    )
+    return report.plot_panels(path, panels, xlabel="message size (bytes)", ylabel="latency (µs)", title=title)
+
+
+def write_report(b: Bench, records: list[dict[str, Any]], elapsed: float) -> None:
+    config = configuration(b)
+    sizes = b.options.sizes
+    sections = [
+        "## hpdl bench comm\n\n" + "\n".join(header_lines(config)),
+        "## Latency (µs, median [p10, p90]) and bandwidth (GB/s)\n\n"
+        "Ratios are ratios of medians; gloo = raw torch.distributed on gloo. Copy = `dst.copy_(src)` in one "
+        "process (rank 0), printed for sizes >= 64 KiB; '% of copy' = copy time / hpdl-mpi time.\n\n"
+        + op_tables(records, sizes),
+        f"## Tensor fusion ({FUSION_TENSORS} tensors of {report.format_bytes(FUSION_BYTES)}, allreduce sum)\n\n"
+        + fusion_table(records),
+        "## Debug mode (hpdl-mpi allreduce, comm.debug off vs on)\n\n" + debug_table(records),
+        "## Targets\n\n" + "\n".join(targets(records, sizes)),
+    ]
+    text = "\n\n".join(sections) + "\n"
+    os.makedirs(b.options.out, exist_ok=True)
+    json_path = os.path.join(b.options.out, "comm.json")
+    md_path = os.path.join(b.options.out, "comm.md")
+    png_path = os.path.join(b.options.out, "comm.png")
+    with open(md_path, "w") as md:
+        md.write(text)
+    report.write_records(json_path, records, config)
+    drawn = plot(png_path, records, config)
+    print(text, flush=True)
+    written = [json_path, md_path] + ([png_path] if drawn else [])
+    print(f"wrote {', '.join(written)} in {elapsed:.0f} s", flush=True)
+
+
+# --------------------------------------------------------------------------- worker
+def main(argv: Optional[list[str]] = None) -> int:
+    """The worker (every rank): both communicators in one process, all measurements, report on rank 0."""
+    options = parse(sys.argv[1:] if argv is None else argv)
+    if not options.worker:
+        return launch(sys.argv[1:] if argv is None else argv)
+    import hpdl
+
+    started = time.perf_counter()
+    mpi = hpdl.init("mpi", timeout=120.0, debug=False)
+    gloo = hpdl.init("torch", timeout=120.0, debug=False)
+    bench = Bench(options, mpi, gloo)
+    if mpi.rank == 0:
+        print(f"hpdl bench comm: {mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
+    # An exception here reaches hpdl's excepthook, which aborts every rank: no finalize on a broken job.
+    records = measure_ops(bench)
+    records += measure_copy(bench)
+    records += measure_fusion(bench)
+    records += measure_debug(bench)
+    if mpi.rank == 0:
+        write_report(bench, records, time.perf_counter() - started)
+    mpi.barrier()
+    hpdl.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

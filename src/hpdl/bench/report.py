@@ -1,0 +1,226 @@
+"""Reporting helpers shared by every `hpdl bench ...`: statistics, Markdown, JSON records, plots.
+
+The rules in BENCHMARKING.md (medians with spread, the full configuration
+in every record, machine-readable output beside a short table) are easier
+to keep when every benchmark reports through the same few functions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "summarize",
+    "markdown_table",
+    "write_records",
+    "environment",
+    "plot_panels",
+    "format_bytes",
+    "parse_bytes",
+]
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, p10, p90, min, max and count: one number alone is not a result."""
+    if len(samples) == 0:
+        raise ValueError("summarize: no samples; a measurement needs at least one repetition")
+    data = np.asarray(samples, dtype=np.float64)
+    p10, median, p90 = np.percentile(data, [10, 50, 90])
+    return {
+        "median": float(median),
+        "p10": float(p10),
+        "p90": float(p90),
+        "min": float(data.min()),
+        "max": float(data.max()),
+        "n": int(data.size),
+    }
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right_align_from: int = 1) -> str:
+    """A GitHub-style Markdown table; columns from `right_align_from` on are right-aligned (numbers)."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    for row in cells[1:]:
+        if len(row) != len(headers):
+            raise ValueError(f"markdown_table: a row has {len(row)} cells but there are {len(headers)} headers: {row}")
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    rule = [("-" * (w - 1) + ":") if i >= right_align_from else "-" * w for i, w in enumerate(widths)]
+
+    def line(row: Sequence[str]) -> str:
+        padded = [c.rjust(w) if i >= right_align_from else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    return "\n".join([line(cells[0]), line(rule)] + [line(row) for row in cells[1:]])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """Where and with what a measurement ran: enough to rerun it (rule 6 of BENCHMARKING.md)."""
+    import torch
+
+    env: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "numpy_version": np.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    try:
+        from mpi4py import MPI
+
+        import mpi4py
+
+        env["mpi_library_version"] = MPI.Get_library_version().strip().splitlines()[0].strip()
+        env["mpi_standard"] = "{}.{}".format(*MPI.Get_version())
+        env["mpi4py_version"] = mpi4py.__version__
+    except ImportError:
+        env["mpi_library_version"] = None
+    try:
+        from hpdl import __version__ as hpdl_version
+
+        env["hpdl_version"] = hpdl_version
+    except ImportError:  # pragma: no cover - the helpers also serve scripts outside the package
+        env["hpdl_version"] = None
+    env.update(extra)
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_records(path: str, records: Sequence[Mapping[str, Any]], config: Mapping[str, Any]) -> None:
+    """Write a JSON list with one self-contained record per measurement: its own fields plus the full `config`.
+
+    Repeating the configuration in every record costs bytes but lets any
+    single record be read (or concatenated with other runs) on its own.
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    merged = [{**config, **record} for record in records]
+    with open(path, "w") as out:
+        json.dump(merged, out, indent=1, default=_jsonable)
+        out.write("\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+Series = tuple[Sequence[float], Sequence[float], Optional[Sequence[float]], Optional[Sequence[float]]]
+"""(x, y, y_low, y_high) of one curve; the band may be None."""
+
+
+def plot_panels(
+    path: str,
+    panels: Mapping[str, Mapping[str, Series]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    loglog: bool = True,
+) -> bool:
+    """One subplot per panel, one line (with an optional p10-p90 band) per series, saved as PNG.
+
+    matplotlib is optional (the `plot` extra): without it the plot is skipped
+    with a note, because the numbers in JSON and Markdown are the result and
+    the picture only helps to read them. Returns whether a file was written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"note: matplotlib is not installed, so {path} was not drawn (pip install 'hpdl[plot]')")
+        return False
+    count = len(panels)
+    if count == 0:
+        return False
+    cols = min(3, count)
+    rows = (count + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols, 3.8 * rows), squeeze=False)
+    for ax, (name, series) in zip(axes.flat, panels.items()):
+        for label, (x, y, low, high) in series.items():
+            (line,) = ax.plot(x, y, marker="o", markersize=3, label=label)
+            if low is not None and high is not None:
+                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        if loglog:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[count:]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def format_bytes(n: int) -> str:
+    """'4 B', '64 KiB', '1 MiB': binary units, as message sizes are powers of two."""
+    for unit, scale in _UNITS:
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def parse_bytes(text: str) -> int:
+    """'4', '64K', '64KiB', '1M' -> bytes (binary multiples), with an error that shows the accepted forms."""
+    raw = text.strip().upper().replace("IB", "").replace("B", "")
+    scale = 1
+    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if raw.endswith(suffix):
+            raw, scale = raw[:-1], factor
+            break
+    try:
+        value = int(raw) * scale
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a byte count; write for example 4, 64K or 1M") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def stderr_note(message: str) -> None:
+    """A note for the person running the benchmark that must not mix with the report on stdout."""
+    print(message, file=sys.stderr)

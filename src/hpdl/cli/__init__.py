@@ -1,0 +1,3 @@
+"""Command line: `hpdl launch | info | bench`."""
+
+__all__: list[str] = []

@@ -1,0 +1,103 @@
+"""`hpdl info`: what this installation can do, the first thing to paste into a bug report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "collect"]
+
+
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    parser = subparsers.add_parser("info", help="versions, backends, GPU paths and the detected launcher")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.set_defaults(handler=run)
+
+
+def collect() -> dict[str, Any]:
+    """Everything `hpdl info` reports, as a dict (no collective is run)."""
+    import numpy
+    import torch
+    import torch.distributed as dist
+
+    import hpdl
+    from hpdl.runtime.environment import detect
+
+    info: dict[str, Any] = {
+        "hpdl": hpdl.__version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+    }
+    info.update(_mpi_info())
+    cuda = torch.cuda.is_available()
+    info["torch.distributed"] = {
+        "available": dist.is_available(),
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "mpi (torch's own)": dist.is_available() and dist.is_mpi_available(),
+    }
+    info["cuda"] = {
+        "available": cuda,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "mpi backend GPU path": _gpu_path(info.get("mpi cuda-aware")) if cuda else "no GPU",
+        "torch backend GPU path": "NCCL" if cuda and dist.is_nccl_available() else "no GPU / no NCCL",
+    }
+    launch = detect()
+    info["launcher"] = {
+        "detected": launch.launcher,
+        "auto backend": launch.backend,
+        "rank": launch.rank,
+        "size": launch.size,
+        "local rank": launch.local_rank,
+        "local size": launch.local_size,
+    }
+    info["environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("HPDL_")}
+    return info
+
+
+def _mpi_info() -> dict[str, Any]:
+    try:
+        import mpi4py
+
+        from hpdl.cli.launch import find_mpiexec
+        from hpdl.comm.mpi_backend import cuda_aware, library_version
+    except Exception as exc:  # report, do not fail: info must work on broken installs
+        return {"mpi4py": f"unavailable ({exc})"}
+    try:
+        mpiexec = find_mpiexec()
+    except FileNotFoundError as exc:
+        mpiexec = f"not found ({exc})"
+    return {
+        "mpi4py": mpi4py.__version__,
+        "mpi library": library_version(),
+        "mpiexec": mpiexec,
+        "mpi cuda-aware": cuda_aware(),
+    }
+
+
+def _gpu_path(aware: Any) -> str:
+    if aware:
+        return "CUDA-aware MPI: device buffers passed directly"
+    return "staged: device -> host copy, MPI on host memory, copy back"
+
+
+def run(options: argparse.Namespace) -> int:
+    info = collect()
+    if options.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for key, value in info.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for inner, item in value.items():
+                print(f"  {inner}: {item}")
+        else:
+            print(f"{key}: {value}")
+    return 0

@@ -1,0 +1,33 @@
+"""The `hpdl` command: one entry point for launching, inspecting and benchmarking."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from hpdl.cli import bench, info, launch
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpdl", description="High-performance distributed training.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    launch.add_parser(subparsers)
+    info.add_parser(subparsers)
+    bench.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    options = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not getattr(options, "handler", None):
+        parser.print_help()
+        return 2
+    return int(options.handler(options))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""The one interface every strategy uses: collectives and point-to-point on tensors.
+
+`Communicator` checks arguments, numbers each collective, runs the debug
+fingerprint check and keeps the bookkeeping for timeout errors; a backend
+(`mpi`, `torch`, `self`) implements the engine calls (the `_`-prefixed
+methods), each returning a `Work` handle.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Optional, Sequence
+
+import torch
+
+from hpdl.comm import fingerprint, fusion
+from hpdl.comm.progress import ProgressBoard, describe_laggards
+from hpdl.comm.tensors import (
+    ArrayLike,
+    as_tensor,
+    check_contiguous,
+    check_divisible,
+    check_peer,
+    check_reduce_op,
+    check_root,
+    check_same_device_dtype,
+    like_input,
+)
+from hpdl.comm.trace import Tracer
+from hpdl.comm.work import Work, chain
+from hpdl.errors import CommTimeoutError, NotInitializedError
+
+__all__ = ["Communicator", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds any single wait may take before it becomes a `CommTimeoutError` (HPDL_TIMEOUT overrides)."""
+
+
+def default_timeout() -> float:
+    value = os.environ.get("HPDL_TIMEOUT")
+    if not value:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"HPDL_TIMEOUT={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"HPDL_TIMEOUT={value!r} must be positive")
+    return seconds
+
+
+def default_debug() -> bool:
+    return os.environ.get("HPDL_DEBUG", "0").lower() not in ("", "0", "false", "no", "off")
+
+
+class Communicator(ABC):
+    """A group of ranks that run collectives together.
+
+    Attributes: `rank`, `size`, `local_rank`, `local_size` (ranks on this
+    node), `backend` ("mpi", "torch" or "self"), `timeout` (seconds per wait)
+    and `debug` (compare collective fingerprints before each call; set it to
+    the same value on every rank).
+    """
+
+    backend: str = ""
+
+    def __init__(self, *, rank: int, size: int, local_rank: int, local_size: int, timeout: float, debug: bool):
+        self.rank = rank
+        self.size = size
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.timeout = timeout
+        self.debug = debug
+        self.tracer: Optional[Tracer] = None
+        self._seq = 0
+        self._last_op = ""
+        self._closed = False
+        self._broken = False
+        self._children: list[Communicator] = []
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, tensor: ArrayLike, op: str = "sum", *, async_op: bool = False) -> Any:
+        """Reduce `tensor` across ranks in place and return it (ops: sum, avg, max, min, prod)."""
+        t = self._tensor_arg(tensor, "allreduce")
+        check_reduce_op(op, t.dtype, "allreduce")
+        seq = self._begin("allreduce", t, f"op={op}")
+        work = self._allreduce(t, op, seq)
+        return self._finish(work, tensor, async_op, in_place=True)
+
+    def allgather(
+        self, tensor: ArrayLike, *, sizes: Optional[Sequence[int]] = None, async_op: bool = False
+    ) -> Any:
+        """Concatenate every rank's tensor along dim 0 into a new tensor (dim-0 sizes may differ).
+
+        `sizes` (every rank's dim-0 size, the same list on all ranks) skips the
+        small exchange of sizes that an uneven gather otherwise needs.
+        """
+        t = self._tensor_arg(tensor, "allgather")
+        if t.dim() == 0:
+            t = t.reshape(1)
+        seq = self._begin("allgather", t, "", shape_tail_only=True)
+        if sizes is None:
+            counts = self._exchange_sizes(t, seq)
+        else:
+            counts = [int(s) for s in sizes]
+            if len(counts) != self.size or counts[self.rank] != t.shape[0]:
+                raise ValueError(
+                    f"allgather: sizes={list(sizes)} must list {self.size} dim-0 sizes with this rank's "
+                    f"({t.shape[0]}) at position {self.rank}"
+                )
+        work = self._allgather(t, counts, seq)
+        return self._finish(work, tensor, async_op, in_place=False)
+
+    def reduce_scatter(self, tensor: ArrayLike, op: str = "sum", *, async_op: bool = False) -> Any:
+        """Reduce `tensor` across ranks and return this rank's slice of dim 0 (dim 0 divisible by size)."""
+        t = self._tensor_arg(tensor, "reduce_scatter")
+        check_reduce_op(op, t.dtype, "reduce_scatter")
+        check_divisible(t, self.size, "reduce_scatter")
+        seq = self._begin("reduce_scatter", t, f"op={op}")
+        work = self._reduce_scatter(t, op, seq)
+        return self._finish(work, tensor, async_op, in_place=False)
+
+    def broadcast(self, tensor: ArrayLike, root: int = 0, *, async_op: bool = False) -> Any:
+        """Copy `root`'s tensor into every rank's `tensor` in place and return it."""
+        t = self._tensor_arg(tensor, "broadcast")
+        check_root(root, self.size, "broadcast")
+        seq = self._begin("broadcast", t, f"root={root}")
+        work = self._broadcast(t, root, seq)
+        return self._finish(work, tensor, async_op, in_place=True)
+
+    def alltoall(self, tensor: ArrayLike, *, async_op: bool = False) -> Any:
+        """Split dim 0 evenly into `size` blocks; block j goes to rank j; return the blocks received."""
+        t = self._tensor_arg(tensor, "alltoall")
+        check_divisible(t, self.size, "alltoall")
+        seq = self._begin("alltoall", t, "")
+        work = self._alltoall(t, seq)
+        return self._finish(work, tensor, async_op, in_place=False)
+
+    def barrier(self, *, async_op: bool = False) -> Any:
+        """Wait until every rank has arrived (bounded by the timeout like every wait)."""
+        self._check_open("barrier")
+        seq = self._begin("barrier", None, "")
+        work = self._barrier(seq)
+        return work if async_op else work.wait()
+
+    def allreduce_coalesced(
+        self,
+        tensors: Sequence[ArrayLike],
+        op: str = "sum",
+        *,
+        bucket_mb: Optional[float] = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Allreduce many tensors in place with few engine calls (packed into flat buckets).
+
+        Returns the list of tensors (or a handle whose `wait()` returns it).
+        `bucket_mb` bounds each flat buffer (default HPDL_FUSION_MB or 64).
+        """
+        self._check_open("allreduce_coalesced")
+        views = [as_tensor(x, "allreduce_coalesced") for x in tensors]
+        for t in views:
+            check_contiguous(t, "allreduce_coalesced")
+            check_reduce_op(op, t.dtype, "allreduce_coalesced")
+        shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in views)
+        seq = self._begin("allreduce_coalesced", None, f"op={op} tensors={len(views)} sig={hash(shapes)}")
+        limit = fusion.bucket_bytes(bucket_mb)
+        buckets = fusion.pack(views, limit)
+        parts = [self._allreduce(bucket.flat, op, seq) for bucket in buckets]
+
+        def finish() -> list:
+            for bucket in buckets:
+                bucket.unpack()
+            return list(tensors)
+
+        work = chain(self, "allreduce_coalesced", seq, parts, finish)
+        return work if async_op else work.wait()
+
+    # ------------------------------------------------------------------ point-to-point
+    def send(self, tensor: ArrayLike, dst: int, *, tag: int = 0, async_op: bool = False) -> Any:
+        """Send `tensor` to rank `dst` (matched by a `recv` there with the same tag)."""
+        t = self._tensor_arg(tensor, "send")
+        check_peer(dst, self.size, self.rank, "send", "dst")
+        work = self._send(t, dst, tag)
+        return self._finish(work, tensor, async_op, in_place=True)
+
+    def recv(self, tensor: ArrayLike, src: int, *, tag: int = 0, async_op: bool = False) -> Any:
+        """Receive into `tensor` (its shape and dtype must match what `src` sends) and return it."""
+        t = self._tensor_arg(tensor, "recv")
+        check_peer(src, self.size, self.rank, "recv", "src")
+        work = self._recv(t, src, tag)
+        return self._finish(work, tensor, async_op, in_place=True)
+
+    # ------------------------------------------------------------------ objects (pickled, explicit)
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Send any picklable object from `root` to every rank (slow path: pickles)."""
+        self._check_open("broadcast_object")
+        check_root(root, self.size, "broadcast_object")
+        payload = _pickle(obj) if self.rank == root else torch.empty(0, dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.broadcast(length, root)
+        if self.rank != root:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self.broadcast(payload, root)
+        return obj if self.rank == root else pickle.loads(payload.numpy().tobytes())
+
+    def allgather_object(self, obj: Any) -> list:
+        """Gather any picklable object from every rank into a list ordered by rank (pickles)."""
+        self._check_open("allgather_object")
+        payload = _pickle(obj)
+        lengths = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64), sizes=[1] * self.size)
+        gathered = self.allgather(payload, sizes=[int(n) for n in lengths])
+        out, start = [], 0
+        for n in lengths.tolist():
+            out.append(pickle.loads(gathered[start : start + n].numpy().tobytes()))
+            start += n
+        return out
+
+    # ------------------------------------------------------------------ groups and life cycle
+    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+        """A sub-communicator of the ranks that pass the same `color`, ordered by (`key`, rank).
+
+        Every rank must call it; a rank that passes `color=None` gets None.
+        """
+        self._check_open("split")
+        if color is not None and (not isinstance(color, int) or color < 0):
+            raise ValueError(f"split: color={color!r} must be a non-negative int or None")
+        if not isinstance(key, int):
+            raise ValueError(f"split: key={key!r} must be an int")
+        seq = self._begin("split", None, "")
+        child = self._split(color, key, seq)
+        if child is not None:
+            self._children.append(child)
+        return child
+
+    def close(self) -> None:
+        """Release engine resources of this communicator and its sub-communicators."""
+        if self._closed:
+            return
+        for child in reversed(self._children):
+            child.close()
+        self._closed = True
+        self._close()
+
+    @property
+    def engine(self) -> str:
+        """What actually moves the bytes (for example 'MPICH 5.0.2' or 'gloo')."""
+        return self.backend
+
+    def __repr__(self) -> str:
+        return f"<hpdl {self.backend} communicator rank {self.rank} of {self.size}>"
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _tensor_arg(self, value: Any, op: str) -> torch.Tensor:
+        self._check_open(op)
+        t = as_tensor(value, op)
+        check_contiguous(t, op)
+        return t
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise NotInitializedError(
+                f"{op}: this {self.backend} communicator was closed by hpdl.finalize() (or close()); "
+                "call hpdl.init() again for a new one"
+            )
+
+    def _begin(self, op: str, tensor: Optional[torch.Tensor], detail: str, shape_tail_only: bool = False) -> int:
+        """Number the collective, publish progress for timeout reports, and in debug mode compare fingerprints."""
+        self._seq += 1
+        self._last_op = op
+        self._board().post(self._seq, op)
+        if self.debug:
+            shape = "" if tensor is None else str(tuple(tensor.shape[1:] if shape_tail_only else tensor.shape))
+            dtype = "" if tensor is None else str(tensor.dtype).replace("torch.", "")
+            mine = fingerprint.Fingerprint(self.rank, self._seq, op, shape, dtype, detail, fingerprint.call_site())
+            fingerprint.verify(self, mine)
+        return self._seq
+
+    def _exchange_sizes(self, t: torch.Tensor, seq: int) -> list[int]:
+        """Every rank's dim-0 size, checking that the other dims agree (one small allgather)."""
+        row = t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel())
+        mine = torch.tensor([[t.shape[0], row]], dtype=torch.int64)
+        table = self._allgather(mine, [1] * self.size, seq).wait().reshape(self.size, 2)
+        rows = table[:, 1].tolist()
+        if len(set(rows)) > 1:
+            raise ValueError(
+                f"allgather: ranks pass tensors whose non-leading dims differ (elements per row by rank: "
+                f"{rows}); only dim 0 may differ between ranks"
+            )
+        return [int(n) for n in table[:, 0].tolist()]
+
+    def _finish(self, work: Work, original: Any, async_op: bool, in_place: bool) -> Any:
+        if in_place:
+            work = _with_result(work, original)
+        elif not isinstance(original, torch.Tensor):
+            work = _map_result(work, lambda result: like_input(result, original))
+        return work if async_op else work.wait()
+
+    def _timeout_error(self, op: str, seq: int, waited: float) -> CommTimeoutError:
+        self._broken = True
+        try:
+            states = self._board().read(min(2.0, self.timeout))
+        except Exception as exc:  # the report must not hide the timeout itself
+            states = None
+            print(f"hpdl: could not read other ranks' progress: {exc}", file=sys.stderr)
+        detail, missing = describe_laggards(states, self.rank, seq)
+        message = (
+            f"{op} #{seq} did not complete within {waited:.1f} s on rank {self.rank} of {self.size} "
+            f"({self.backend}). {detail} Every rank must call the same collectives in the same order: "
+            "run with HPDL_DEBUG=1 to compare call sites, or raise the limit with hpdl.init(timeout=...) "
+            "or HPDL_TIMEOUT if the work is only slow."
+        )
+        return CommTimeoutError(message, op=op, seq=seq, missing=tuple(missing))
+
+    def _trace_op(self, op: str, started: float) -> None:
+        if self.tracer is not None:
+            self.tracer.complete(op, started, time.perf_counter(), category="comm")
+
+    # ------------------------------------------------------------------ backend
+    @abstractmethod
+    def _board(self) -> ProgressBoard: ...
+
+    @abstractmethod
+    def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work: ...
+
+    @abstractmethod
+    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int) -> Work: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int) -> Work: ...
+
+    @abstractmethod
+    def _broadcast(self, t: torch.Tensor, root: int, seq: int) -> Work: ...
+
+    @abstractmethod
+    def _alltoall(self, t: torch.Tensor, seq: int) -> Work: ...
+
+    @abstractmethod
+    def _barrier(self, seq: int) -> Work: ...
+
+    @abstractmethod
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> Work: ...
+
+    @abstractmethod
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work: ...
+
+    @abstractmethod
+    def _split(self, color: Optional[int], key: int, seq: int) -> Optional["Communicator"]: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+def _pickle(obj: Any) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _with_result(work: Work, result: Any) -> Work:
+    return _map_result(work, lambda _: result)
+
+
+def _map_result(work: Work, fn: Any) -> Work:
+    inner = work._finish
+    work._finish = lambda: fn(inner())
+    return work
+
+
+def check_pair(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    """Shared check for operations that take an input and an output tensor."""
+    check_same_device_dtype(a, b, op)

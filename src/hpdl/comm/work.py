@@ -1,0 +1,116 @@
+"""Handles of operations in flight, and the bounded wait that every one of them uses."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Generic, Optional, TypeVar
+
+if TYPE_CHECKING:
+    from hpdl.comm.base import Communicator
+
+__all__ = ["Work"]
+
+T = TypeVar("T")
+
+# MPI engines move large messages only while a process is inside a call, so a
+# waiting rank keeps calling test() at full speed, as a blocking MPI call
+# would. Only a wait that lasts longer than SPIN_SECONDS (a straggler, not a
+# transfer) backs off to sleeping between tests so as not to burn a core.
+SPIN_SECONDS = 1.0
+IDLE_SLEEP = 0.001
+
+
+def poll_until(test: Callable[[], bool], deadline: float) -> bool:
+    """Call `test` until it is true (return True) or `deadline` passes (return False)."""
+    if test():
+        return True
+    spin_end = time.perf_counter() + SPIN_SECONDS
+    while True:
+        if test():
+            return True
+        now = time.perf_counter()
+        if now >= deadline:
+            return test()
+        if now > spin_end:
+            time.sleep(IDLE_SLEEP)
+
+
+class Work(Generic[T]):
+    """An operation in flight. `wait()` returns its result, or raises within the timeout.
+
+    `test` says whether the engine has finished; `finish` turns the finished
+    engine buffers into the result (copy back, cast, divide) exactly once.
+    `block`, when given, waits in the engine itself for at most the given
+    seconds and says whether it finished (used where the engine can do so
+    without holding the GIL).
+    """
+
+    def __init__(
+        self,
+        comm: "Communicator",
+        op: str,
+        seq: int,
+        test: Callable[[], bool],
+        finish: Callable[[], T],
+        block: Optional[Callable[[float], bool]] = None,
+    ):
+        self._comm = comm
+        self.op = op
+        self.seq = seq
+        self._test = test
+        self._finish = finish
+        self._block = block
+        self._done = False
+        self._result: Optional[T] = None
+        self._started = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        """True once the operation finished (does not wait)."""
+        if not self._done and self._test():
+            self._complete()
+        return self._done
+
+    def wait(self, timeout: Optional[float] = None) -> T:
+        """Wait for completion and return the result; raise `CommTimeoutError` after `timeout` seconds."""
+        if not self._done:
+            limit = self._comm.timeout if timeout is None else timeout
+            deadline = time.perf_counter() + limit
+            if self._block is not None:
+                finished = self._block(limit)
+            else:
+                finished = poll_until(self._test, deadline)
+            if not finished:
+                raise self._comm._timeout_error(self.op, self.seq, limit)
+            self._complete()
+        return self._result  # type: ignore[return-value]
+
+    def _complete(self) -> None:
+        self._result = self._finish()
+        self._done = True
+        self._comm._trace_op(self.op, self._started)
+
+
+def completed(comm: "Communicator", op: str, seq: int, result: T) -> Work[T]:
+    """A handle for work that finished at once (one-process communicators, empty inputs)."""
+    return Work(comm, op, seq, lambda: True, lambda: result)
+
+
+def chain(comm: "Communicator", op: str, seq: int, parts: list[Work], finish: Callable[[], T]) -> Work[T]:
+    """One handle for several engine operations that finish together."""
+
+    def test() -> bool:
+        return all(part.is_completed() for part in parts)
+
+    def block(limit: float) -> bool:
+        deadline = time.perf_counter() + limit
+        for part in parts:
+            remaining = max(0.0, deadline - time.perf_counter())
+            if part._block is not None:
+                if not part._block(remaining):
+                    return False
+            elif not poll_until(part._test, deadline):
+                return False
+            part._complete()
+        return True
+
+    return Work(comm, op, seq, test, finish, block)

@@ -1,0 +1,127 @@
+"""Who launched us: read the launcher's environment variables to pick a backend and find our rank.
+
+`hpdl launch` sets HPDL_BACKEND; otherwise Open MPI, MPICH/Hydra (and Intel
+MPI, MVAPICH2), PMIx, Slurm's srun and torchrun each leave their own
+variables. With none of them the process is alone and gets the `self`
+backend, so every script also runs as `python script.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+__all__ = ["Launch", "detect", "free_port"]
+
+BACKENDS = ("mpi", "torch", "self")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the environment says about this process."""
+
+    launcher: str
+    """'hpdl', 'torchrun', 'openmpi', 'mpich', 'mvapich', 'pmix', 'slurm' or 'none'."""
+    backend: str
+    """The backend `init(backend="auto")` picks here."""
+    rank: Optional[int] = None
+    size: Optional[int] = None
+    local_rank: Optional[int] = None
+    local_size: Optional[int] = None
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)  # type: ignore[arg-type]
+            except ValueError:
+                continue
+    return None
+
+
+def _torch_env(env: Mapping[str, str]) -> bool:
+    return all(env.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def detect(env: Optional[Mapping[str, str]] = None) -> Launch:
+    """Read the launcher from `env` (default: os.environ)."""
+    env = os.environ if env is None else env
+    mpi = _mpi_launch(env)
+    forced = env.get("HPDL_BACKEND", "")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"HPDL_BACKEND={forced!r}: choose one of {', '.join(BACKENDS)}")
+        if forced == "torch" and _torch_env(env):
+            return _torch_launch("hpdl", env)
+        base = mpi or Launch("none", forced)
+        return Launch("hpdl", forced, base.rank, base.size, base.local_rank, base.local_size)
+    if env.get("TORCHELASTIC_RUN_ID") or (_torch_env(env) and mpi is None):
+        return _torch_launch("torchrun", env)
+    if mpi is not None:
+        return mpi
+    return Launch("none", "self", 0, 1, 0, 1)
+
+
+def _torch_launch(launcher: str, env: Mapping[str, str]) -> Launch:
+    return Launch(
+        launcher,
+        "torch",
+        _int(env, "RANK"),
+        _int(env, "WORLD_SIZE"),
+        _int(env, "LOCAL_RANK"),
+        _int(env, "LOCAL_WORLD_SIZE"),
+    )
+
+
+def _mpi_launch(env: Mapping[str, str]) -> Optional[Launch]:
+    """The MPI-style launcher that started this process, if any."""
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return Launch(
+            "openmpi",
+            "mpi",
+            _int(env, "OMPI_COMM_WORLD_RANK"),
+            _int(env, "OMPI_COMM_WORLD_SIZE"),
+            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+            _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        )
+    if "MV2_COMM_WORLD_SIZE" in env:
+        return Launch(
+            "mvapich",
+            "mpi",
+            _int(env, "MV2_COMM_WORLD_RANK"),
+            _int(env, "MV2_COMM_WORLD_SIZE"),
+            _int(env, "MV2_COMM_WORLD_LOCAL_RANK"),
+            _int(env, "MV2_COMM_WORLD_LOCAL_SIZE"),
+        )
+    if "PMI_SIZE" in env or "PMI_RANK" in env:  # MPICH's Hydra, Intel MPI
+        return Launch(
+            "mpich",
+            "mpi",
+            _int(env, "PMI_RANK"),
+            _int(env, "PMI_SIZE"),
+            _int(env, "MPI_LOCALRANKID"),
+            _int(env, "MPI_LOCALNRANKS"),
+        )
+    if "PMIX_RANK" in env:
+        return Launch("pmix", "mpi", _int(env, "PMIX_RANK"), None, _int(env, "PMIX_LOCAL_RANK"), None)
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:  # inside an srun step
+        return Launch(
+            "slurm",
+            "mpi",
+            _int(env, "SLURM_PROCID"),
+            _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+            _int(env, "SLURM_LOCALID"),
+            None,
+        )
+    return None
+
+
+def free_port() -> int:
+    """A TCP port that is free now (for a rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])

@@ -1,0 +1,176 @@
+"""`init()` and `finalize()`: start the chosen backend, and leave every backend cleanly.
+
+A multi-rank job must end as one: an uncaught exception on any rank shows
+its traceback once and stops the other ranks (MPI_Abort on the mpi backend;
+the launcher stops the rest on torch), and a successful job exits 0 even on
+gloo, whose process group must be destroyed after a barrier.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import traceback
+from typing import Any, Optional
+
+from hpdl.comm.base import Communicator, default_debug, default_timeout
+from hpdl.errors import CommError, CommTimeoutError, NotInitializedError
+from hpdl.runtime.environment import BACKENDS, Launch, detect, free_port
+
+__all__ = ["init", "finalize", "world", "is_initialized"]
+
+_worlds: dict[str, Communicator] = {}
+_current: Optional[Communicator] = None
+_atexit_registered = False
+_EXIT_BARRIER_SECONDS = 30.0
+
+
+def init(backend: str = "auto", *, timeout: Optional[float] = None, debug: Optional[bool] = None) -> Communicator:
+    """Start (or return the already started) world communicator of `backend`.
+
+    backend: "auto" (from the launcher: see `hpdl.runtime.environment`),
+    "mpi", "torch" or "self". timeout: seconds any wait may take (default
+    HPDL_TIMEOUT or 300). debug: compare collective fingerprints before each
+    call (default HPDL_DEBUG).
+    """
+    global _current, _atexit_registered
+    launch = detect()
+    chosen = launch.backend if backend == "auto" else backend
+    if chosen not in BACKENDS:
+        raise ValueError(f"hpdl.init: unknown backend {backend!r}; choose 'auto', {', '.join(map(repr, BACKENDS))}")
+    seconds = default_timeout() if timeout is None else float(timeout)
+    if seconds <= 0:
+        raise ValueError(f"hpdl.init: timeout={timeout!r} must be a positive number of seconds")
+    checking = default_debug() if debug is None else bool(debug)
+    if chosen in _worlds:
+        _current = _worlds[chosen]
+        return _current
+    if chosen == "mpi":
+        comm = _mpi_world(seconds, checking)
+    elif chosen == "torch":
+        comm = _torch_world(launch, seconds, checking)
+    else:
+        from hpdl.comm.self_backend import SelfCommunicator
+
+        comm = SelfCommunicator(timeout=seconds, debug=checking)
+    _worlds[chosen] = comm
+    _current = comm
+    if comm.size > 1:
+        _install_abort_hook()
+    if not _atexit_registered:
+        atexit.register(finalize)
+        _atexit_registered = True
+    return comm
+
+
+def finalize() -> None:
+    """Close every world communicator (barrier first on torch, so gloo exits cleanly). Safe to call twice."""
+    global _current
+    for comm in reversed(list(_worlds.values())):
+        if comm.backend == "torch":
+            _close_torch(comm)
+        else:
+            comm.close()
+    _worlds.clear()
+    _current = None
+
+
+def world() -> Communicator:
+    """The communicator from the latest `init()`; NotInitializedError before it or after `finalize()`."""
+    if _current is None:
+        raise NotInitializedError("hpdl is not initialised: call hpdl.init() first (or again after hpdl.finalize())")
+    return _current
+
+
+def is_initialized() -> bool:
+    return _current is not None
+
+
+def _mpi_world(timeout: float, debug: bool) -> Communicator:
+    from hpdl.comm.mpi_backend import MPI, MpiCommunicator
+
+    return MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug)
+
+
+def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from hpdl.comm.torch_backend import TorchCommunicator
+    from hpdl.errors import BackendUnavailableError
+
+    if not dist.is_available():
+        raise BackendUnavailableError("this torch build has no torch.distributed; install a standard torch wheel")
+    rank, size, addr, port = _torch_rendezvous(launch)
+    span = datetime.timedelta(seconds=timeout)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(addr, port, size, is_master=(rank == 0 and not agent_store), timeout=span)
+    if not dist.is_initialized():
+        engine = os.environ.get("HPDL_TORCH_ENGINE") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(engine, store=dist.PrefixStore("hpdl/pg", store), rank=rank, world_size=size, timeout=span)
+    comm = TorchCommunicator(None, store, local_rank=0, local_size=1, timeout=timeout, debug=debug)
+    hosts = comm.allgather_object(socket.gethostname())
+    same_node = [r for r, host in enumerate(hosts) if host == hosts[comm.rank]]
+    comm.local_rank, comm.local_size = same_node.index(comm.rank), len(same_node)
+    return comm
+
+
+def _torch_rendezvous(launch: Launch) -> tuple[int, int, str, int]:
+    """Rank, size and the store's address: from torchrun-style variables, or agreed over MPI under mpirun/srun."""
+    env = os.environ
+    if all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    if launch.launcher in ("none", "torchrun") and launch.size in (None, 1):
+        return 0, 1, "127.0.0.1", free_port()
+    from hpdl.comm.mpi_backend import MPI
+
+    mpi = MPI.COMM_WORLD
+    address = (socket.gethostname(), free_port()) if mpi.Get_rank() == 0 else None
+    host, port = mpi.bcast(address, root=0)
+    return mpi.Get_rank(), mpi.Get_size(), host, port
+
+
+def _close_torch(comm: Communicator) -> None:
+    import torch.distributed as dist
+
+    if not comm._broken and not comm._closed:
+        try:
+            comm._barrier(-1).wait(timeout=min(comm.timeout, _EXIT_BARRIER_SECONDS))
+        except CommError as exc:
+            print(f"hpdl: rank {comm.rank}: exit barrier failed ({exc}); closing anyway", file=sys.stderr)
+    comm.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _install_abort_hook() -> None:
+    """An uncaught exception on any rank ends the whole job at once, with this rank's traceback shown once."""
+    if getattr(sys.excepthook, "_hpdl", False):
+        return
+    previous = sys.excepthook
+
+    def abort_job(kind: Any, error: BaseException, tb: Any) -> None:
+        comm = _current
+        rank = comm.rank if comm is not None else "?"
+        if isinstance(error, CommError) and not isinstance(error, CommTimeoutError) and comm and comm.backend == "torch":
+            # A peer failed first and its traceback is the one that matters.
+            sys.stderr.write(f"hpdl: rank {rank} stopping: {error}\n")
+        else:
+            sys.stderr.write(f"hpdl: rank {rank} failed; stopping every rank of the job\n")
+            traceback.print_exception(kind, error, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if "hpdl.comm.mpi_backend" in sys.modules:
+            from hpdl.comm.mpi_backend import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+        os._exit(1)
+
+    abort_job._hpdl = True  # type: ignore[attr-defined]
+    if previous is not sys.__excepthook__:
+        abort_job.__wrapped__ = previous  # type: ignore[attr-defined]
+    sys.excepthook = abort_job

@@ -1,0 +1,58 @@
+"""Shared fixtures: `ranks(backend, K)` gives a pool of K ranks that runs test bodies (see rankpool.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from rankpool import RankError, RankPool  # noqa: E402
+
+__all__ = ["RankError"]
+
+BACKENDS = ("self", "mpi", "torch")
+
+
+class SelfPool:
+    """The `self` backend runs bodies in the pytest process itself."""
+
+    backend = "self"
+    nprocs = 1
+    alive = True
+
+    def __init__(self) -> None:
+        from hpdl.comm.self_backend import SelfCommunicator
+
+        self.comm = SelfCommunicator(timeout=30.0, debug=False)
+
+    def run(self, body: Callable[..., Any], *args: Any, timeout: float = 60.0, expect_errors: bool = False) -> list:
+        try:
+            return [body(self.comm, *args)]
+        except Exception as exc:
+            if not expect_errors:
+                raise
+            return [RankError(0, type(exc).__name__, str(exc), "")]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Iterator[Callable[..., Any]]:
+    pools: dict[tuple, Any] = {}
+
+    def get(backend: str, nprocs: int = 2, env: Optional[dict[str, str]] = None) -> Any:
+        if backend == "self":
+            return SelfPool()
+        key = (backend, nprocs, tuple(sorted((env or {}).items())))
+        pool = pools.get(key)
+        if pool is None or not pool.alive:
+            pool = pools[key] = RankPool(backend, nprocs, env)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,32 @@
+"""One rank of a test pool (see rankpool.py): run bodies sent by the pytest process until told to exit."""
+
+import pickle
+import sys
+import traceback
+from multiprocessing.connection import Client
+
+import hpdl
+
+
+def main() -> None:
+    host, port, key = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+    comm = hpdl.init()
+    conn = Client((host, port), authkey=key)
+    conn.send(comm.rank)
+    while True:
+        kind, body, args = pickle.loads(conn.recv_bytes())
+        if kind == "exit":
+            break
+        saved = (comm.debug, comm.timeout)
+        try:
+            conn.send_bytes(pickle.dumps(("ok", body(comm, *args))))
+        except BaseException as exc:  # every failure goes home to the test
+            conn.send_bytes(pickle.dumps(("err", (type(exc).__name__, str(exc), traceback.format_exc()))))
+        finally:
+            comm.debug, comm.timeout = saved
+    conn.close()
+    hpdl.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Every collective, on every backend, for every dtype and size: one body, results checked here.
+
+The same body runs on the `self` backend (in this process), on MPI
+(`mpiexec -n K`) and on torch.distributed (gloo); the pytest process
+compares every rank's result with what the collective must give.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from collective_data import ALL_DTYPES, LARGE, SIZES, expected_reduce, make_input, ops_for
+
+GROUPS = [("self", 1), ("mpi", 2), ("mpi", 3), ("torch", 2), ("torch", 3)]
+
+
+@pytest.fixture(params=GROUPS, ids=[f"{b}-{k}" for b, k in GROUPS])
+def group(request, ranks):
+    backend, nprocs = request.param
+    return ranks(backend, nprocs)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        return torch.allclose(a.double(), b.double(), rtol=1e-2 if a.element_size() == 2 else 1e-6)
+    return torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- allreduce
+def allreduce_all(comm):
+    out = {}
+    for dtype in ALL_DTYPES:
+        for op in ops_for(dtype):
+            for n in SIZES:
+                x = make_input(comm.rank, n, dtype, op)
+                returned = comm.allreduce(x, op=op)
+                out[(str(dtype), op, n)] = (x, returned is x)
+    return out
+
+
+def test_allreduce_every_dtype_op_size(group):
+    for result in group.run(allreduce_all):
+        for (dtype_name, op, n), (value, same_object) in result.items():
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            assert same_object, "allreduce must work in place and return its argument"
+            expected = expected_reduce(group.nprocs, n, dtype, op)
+            assert _close(value, expected), (dtype_name, op, n, value[:8], expected[:8])
+
+
+def allreduce_large(comm):
+    x = make_input(comm.rank, LARGE, torch.float32)
+    comm.allreduce(x, op="avg")
+    return float(x.sum()), x[:5].tolist(), x[-5:].tolist()
+
+
+def test_allreduce_large_buffer(group):
+    expected = expected_reduce(group.nprocs, LARGE, torch.float32, "avg")
+    for total, head, tail in group.run(allreduce_large, timeout=120):
+        assert total == pytest.approx(float(expected.double().sum()), rel=1e-6)
+        assert head == expected[:5].tolist() and tail == expected[-5:].tolist()
+
+
+# ---------------------------------------------------------------- allgather
+def allgather_uneven(comm):
+    out = {}
+    for dtype in ALL_DTYPES:
+        for base in (0, 1, 5):
+            rows = base + comm.rank  # dim 0 differs per rank (rank 0 may have none)
+            x = make_input(comm.rank, rows * 3, dtype).reshape(rows, 3)
+            out[(str(dtype), base)] = comm.allgather(x)
+    hinted = comm.allgather(torch.full((2, 2), comm.rank), sizes=[2] * comm.size)
+    scalar = comm.allgather(torch.tensor(float(comm.rank)))
+    return out, hinted, scalar
+
+
+def test_allgather_uneven_sizes(group):
+    k = group.nprocs
+    for out, hinted, scalar in group.run(allgather_uneven):
+        for (dtype_name, base), value in out.items():
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            expected = torch.cat([make_input(r, (base + r) * 3, dtype).reshape(base + r, 3) for r in range(k)])
+            assert torch.equal(value, expected), (dtype_name, base)
+        assert torch.equal(hinted, torch.cat([torch.full((2, 2), r) for r in range(k)]))
+        assert scalar.tolist() == [float(r) for r in range(k)]
+
+
+def allgather_large(comm):
+    x = torch.full((LARGE // comm.size,), float(comm.rank))
+    y = comm.allgather(x)
+    return y.shape[0], [float(y[i * (LARGE // comm.size)]) for i in range(comm.size)]
+
+
+def test_allgather_large_buffer(group):
+    k = group.nprocs
+    for n, firsts in group.run(allgather_large, timeout=120):
+        assert n == (LARGE // k) * k and firsts == [float(r) for r in range(k)]
+
+
+# ---------------------------------------------------------------- reduce_scatter, broadcast, alltoall
+def reduce_scatter_all(comm):
+    out = {}
+    for dtype in ALL_DTYPES:
+        if dtype == torch.bool:
+            continue
+        for op in ops_for(dtype):
+            for rows_per_rank in (0, 1, 4):
+                x = make_input(comm.rank, comm.size * rows_per_rank * 2, dtype, op).reshape(-1, 2)
+                out[(str(dtype), op, rows_per_rank)] = comm.reduce_scatter(x, op=op)
+    return out
+
+
+def test_reduce_scatter(group):
+    k = group.nprocs
+    for rank, out in enumerate(group.run(reduce_scatter_all)):
+        for (dtype_name, op, m), value in out.items():
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            full = expected_reduce(k, k * m * 2, dtype, op).reshape(-1, 2)
+            assert _close(value, full[rank * m : (rank + 1) * m]), (dtype_name, op, m)
+
+
+def broadcast_all(comm):
+    out = {}
+    for dtype in ALL_DTYPES:
+        for n in SIZES:
+            for root in sorted({0, comm.size - 1}):
+                x = make_input(comm.rank, n, dtype)
+                out[(str(dtype), n, root)] = comm.broadcast(x, root=root)
+    return out
+
+
+def test_broadcast(group):
+    for out in group.run(broadcast_all):
+        for (dtype_name, n, root), value in out.items():
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            assert torch.equal(value, make_input(root, n, dtype)), (dtype_name, n, root)
+
+
+def alltoall_all(comm):
+    return {m: comm.alltoall(torch.arange(comm.size * m) + 100 * comm.rank) for m in (0, 1, 3)}
+
+
+def test_alltoall(group):
+    k = group.nprocs
+    for rank, out in enumerate(group.run(alltoall_all)):
+        for m, value in out.items():
+            expected = torch.cat([torch.arange(rank * m, (rank + 1) * m) + 100 * src for src in range(k)])
+            assert torch.equal(value, expected), m
+
+
+# ---------------------------------------------------------------- point-to-point
+def ring_exchange(comm):
+    if comm.size == 1:
+        return None
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        for n in (0, 5, LARGE // 4):
+            right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+            outgoing = make_input(comm.rank, n, dtype)
+            incoming = torch.empty_like(outgoing)
+            sending = comm.send(outgoing, right, tag=7, async_op=True)
+            comm.recv(incoming, left, tag=7)
+            sending.wait()
+            got[(str(dtype), n)] = bool(torch.equal(incoming, make_input(left, n, dtype)))
+    return got
+
+
+def test_send_recv_ring(group):
+    for result in group.run(ring_exchange, timeout=120):
+        if group.nprocs > 1:
+            assert result and all(result.values()), result
+
+
+# ---------------------------------------------------------------- async, numpy, objects
+def async_many(comm):
+    xs = [torch.full((100,), float(comm.rank + i)) for i in range(5)]
+    works = [comm.allreduce(x, async_op=True) for x in xs]
+    gathered = comm.allgather(torch.tensor([comm.rank]), async_op=True)
+    scattered = comm.reduce_scatter(torch.ones(comm.size * 2), async_op=True)
+    barrier = comm.barrier(async_op=True)
+    results = [w.wait() for w in reversed(works)]
+    barrier.wait()
+    return [r[0].item() for r in reversed(results)], gathered.wait().tolist(), scattered.wait().tolist(), works[0].is_completed()
+
+
+def test_async_forms(group):
+    k = group.nprocs
+    for sums, gathered, scattered, completed in group.run(async_many):
+        assert sums == [sum(float(r + i) for r in range(k)) for i in range(5)]
+        assert gathered == list(range(k)) and scattered == [float(k)] * 2 and completed
+
+
+def numpy_arrays(comm):
+    a = np.arange(4, dtype=np.float64) * (comm.rank + 1)
+    same = comm.allreduce(a, op="max") is a
+    g = comm.allgather(np.full(2, comm.rank, dtype=np.int32))
+    return a, same, g, type(g).__name__
+
+
+def test_numpy_arrays_in_and_out(group):
+    k = group.nprocs
+    for a, same, g, kind in group.run(numpy_arrays):
+        assert same and kind == "ndarray"
+        np.testing.assert_array_equal(a, np.arange(4) * k)
+        np.testing.assert_array_equal(g, np.repeat(np.arange(k, dtype=np.int32), 2))
+
+
+def objects(comm):
+    return comm.allgather_object({"rank": comm.rank, "name": "x" * comm.rank}), comm.broadcast_object(
+        ["from root", comm.rank] if comm.rank == 0 else None
+    )
+
+
+def test_object_collectives(group):
+    k = group.nprocs
+    for gathered, broadcast in group.run(objects):
+        assert gathered == [{"rank": r, "name": "x" * r} for r in range(k)]
+        assert broadcast == ["from root", 0]
+
+
+# ---------------------------------------------------------------- fusion
+def coalesced(comm):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(int(torch.randint(1, 300, (1,), generator=generator)),) for _ in range(200)]
+    dtypes = [torch.float32, torch.float64, torch.int64, torch.bfloat16]
+    tensors = [make_input(comm.rank, s[0], dtypes[i % 4]) for i, s in enumerate(shapes)]
+    returned = comm.allreduce_coalesced(tensors, bucket_mb=0.002)  # force many buckets
+    averaged = comm.allreduce_coalesced([make_input(comm.rank, 10, torch.float32)], op="avg", async_op=True).wait()
+    return [(s[0], str(dtypes[i % 4])) for i, s in enumerate(shapes)], tensors, returned[0] is tensors[0], averaged
+
+
+def test_allreduce_coalesced(group):
+    k = group.nprocs
+    for meta, tensors, same, averaged in group.run(coalesced):
+        assert same
+        for (n, dtype_name), value in zip(meta, tensors):
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            assert _close(value, expected_reduce(k, n, dtype, "sum"))
+        assert _close(averaged[0], expected_reduce(k, 10, torch.float32, "avg"))
+
+
+# ---------------------------------------------------------------- sub-communicators
+def splits(comm):
+    sub = comm.split(comm.rank % 2, key=-comm.rank)  # reversed order inside each colour
+    total = sub.allreduce(torch.tensor([comm.rank]))
+    members = sub.allgather(torch.tensor([comm.rank]))
+    nested = sub.split(0, key=sub.rank)
+    again = nested.allreduce(torch.tensor([1]))
+    none = comm.split(None if comm.rank == 0 else 1)
+    rest = None if none is None else none.allgather(torch.tensor([comm.rank])).tolist()
+    # Block order follows the sub-communicator's ranks (set by the keys), not the world's.
+    scattered = sub.reduce_scatter(torch.arange(sub.size * 2.0) * (comm.rank + 1))
+    exchanged = sub.alltoall(torch.arange(sub.size) + 100 * comm.rank)
+    return sub.rank, sub.size, total.item(), members.tolist(), again.item(), rest, scattered.tolist(), exchanged.tolist()
+
+
+def test_split(group):
+    k = group.nprocs
+    for rank, result in enumerate(group.run(splits)):
+        sub_rank, sub_size, total, members, again, rest, scattered, exchanged = result
+        mine = sorted((r for r in range(k) if r % 2 == rank % 2), reverse=True)
+        assert members == mine and sub_rank == mine.index(rank) and sub_size == len(mine)
+        assert total == sum(mine) and again == len(mine)
+        assert rest == (None if rank == 0 else list(range(1, k)))
+        weight = sum(r + 1 for r in mine)
+        assert scattered == [float((2 * sub_rank + i) * weight) for i in range(2)]
+        assert exchanged == [sub_rank + 100 * member for member in mine]
