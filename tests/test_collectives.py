@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from collective_data import ALL_DTYPES, LARGE, SIZES, expected_reduce, make_input, ops_for
 
 GROUPS = [("self", 1), ("mpi", 2), ("mpi", 3), ("torch", 2), ("torch", 3)]
@@ -182,7 +183,12 @@ def async_many(comm):
     barrier = comm.barrier(async_op=True)
     results = [w.wait() for w in reversed(works)]
     barrier.wait()
-    return [r[0].item() for r in reversed(results)], gathered.wait().tolist(), scattered.wait().tolist(), works[0].is_completed()
+    return (
+        [r[0].item() for r in reversed(results)],
+        gathered.wait().tolist(),
+        scattered.wait().tolist(),
+        works[0].is_completed(),
+    )
 
 
 def test_async_forms(group):
@@ -253,7 +259,16 @@ def splits(comm):
     # Block order follows the sub-communicator's ranks (set by the keys), not the world's.
     scattered = sub.reduce_scatter(torch.arange(sub.size * 2.0) * (comm.rank + 1))
     exchanged = sub.alltoall(torch.arange(sub.size) + 100 * comm.rank)
-    return sub.rank, sub.size, total.item(), members.tolist(), again.item(), rest, scattered.tolist(), exchanged.tolist()
+    return (
+        sub.rank,
+        sub.size,
+        total.item(),
+        members.tolist(),
+        again.item(),
+        rest,
+        scattered.tolist(),
+        exchanged.tolist(),
+    )
 
 
 def test_split(group):

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import RankError
 
 import hpdl
+from conftest import RankError
 from hpdl.comm.self_backend import SelfCommunicator
 
 PARALLEL = [("mpi", 2), ("torch", 2), ("mpi", 3), ("torch", 3)]
@@ -126,7 +126,11 @@ def matched(comm):
 @pytest.mark.parametrize("backend,nprocs", [("mpi", 2), ("torch", 2), ("mpi", 3)])
 def test_debug_mode_names_both_ranks_and_call_sites(ranks, backend, nprocs):
     pool = ranks(backend, nprocs)
-    for kind, words in (("op", ("allreduce", "broadcast")), ("shape", ("(4,)", "(5,)")), ("dtype", ("float32", "float64"))):
+    for kind, words in (
+        ("op", ("allreduce", "broadcast")),
+        ("shape", ("(4,)", "(5,)")),
+        ("dtype", ("float32", "float64")),
+    ):
         results = pool.run(mismatched, kind, expect_errors=True)
         for error in results:
             assert isinstance(error, RankError) and error.type_name == "CollectiveMismatchError", error

@@ -1,9 +1,9 @@
 """hpdl: high-performance distributed training over MPI and torch.distributed.
 
-    import hpdl
-    comm = hpdl.init()          # mpi, torch or self, from the launcher
-    comm.allreduce(tensor)      # in place, on torch tensors or NumPy arrays
-    hpdl.finalize()
+import hpdl
+comm = hpdl.init()          # mpi, torch or self, from the launcher
+comm.allreduce(tensor)      # in place, on torch tensors or NumPy arrays
+hpdl.finalize()
 """
 
 from hpdl.comm.base import Communicator

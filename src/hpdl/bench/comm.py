@@ -796,9 +796,7 @@ def targets(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str
     return lines
 
 
-def _verdict(
-    claim: str, ratios: Sequence[tuple[Optional[float], int]], limit: float, worst: Callable[..., Any]
-) -> str:
+def _verdict(claim: str, ratios: Sequence[tuple[Optional[float], int]], limit: float, worst: Callable[..., Any]) -> str:
     known = [(r, n) for r, n in ratios if r is not None]
     if not known:
         return f"MISS  {claim} (no size in range was measured)"

@@ -85,9 +85,8 @@ def environment(**extra: Any) -> dict[str, Any]:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     try:
-        from mpi4py import MPI
-
         import mpi4py
+        from mpi4py import MPI
 
         env["mpi_library_version"] = MPI.Get_library_version().strip().splitlines()[0].strip()
         env["mpi_standard"] = "{}.{}".format(*MPI.Get_version())

@@ -9,7 +9,7 @@ __all__ = ["add_parser"]
 KINDS = ("comm",)
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bench", help="side-by-side benchmarks (comm)", description="Run a benchmark; see `hpdl bench comm --help`."
     )

@@ -25,7 +25,7 @@ __all__ = ["add_parser", "run", "find_mpiexec", "rank_environment"]
 GRACE_SECONDS = 5.0
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "launch",
         help="start N local ranks of a Python script",
@@ -62,7 +62,8 @@ def run(options: argparse.Namespace) -> int:
     if options.debug:
         env["HPDL_DEBUG"] = "1"
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nprocs)))
-    command = [sys.executable, "-u"] + target
+    # Each rank runs under run_rank: sys.exit(N != 0) then ends the job at once, like an exception.
+    command = [sys.executable, "-u", "-m", "hpdl.runtime.run_rank"] + target
     if options.backend == "mpi":
         return launch_mpi(options.nprocs, command, env, options.tag_output)
     return launch_torch(options.nprocs, command, env, options.tag_output)
@@ -74,8 +75,7 @@ def find_mpiexec() -> str:
     found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
     if not found:
         raise FileNotFoundError(
-            "no mpiexec found: `pip install mpich` (or load your cluster's MPI module), "
-            "or use --backend torch"
+            "no mpiexec found: `pip install mpich` (or load your cluster's MPI module), or use --backend torch"
         )
     return found
 
@@ -188,5 +188,3 @@ def _prefix_lines(source: IO[bytes], sink: IO[str], prefix: str) -> None:
         sink.write(prefix + raw.decode(errors="replace"))
         sink.flush()
     source.close()
-
-

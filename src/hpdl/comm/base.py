@@ -91,9 +91,7 @@ class Communicator(ABC):
         work = self._allreduce(t, op, seq)
         return self._finish(work, tensor, async_op, in_place=True)
 
-    def allgather(
-        self, tensor: ArrayLike, *, sizes: Optional[Sequence[int]] = None, async_op: bool = False
-    ) -> Any:
+    def allgather(self, tensor: ArrayLike, *, sizes: Optional[Sequence[int]] = None, async_op: bool = False) -> Any:
         """Concatenate every rank's tensor along dim 0 into a new tensor (dim-0 sizes may differ).
 
         `sizes` (every rank's dim-0 size, the same list on all ranks) skips the
@@ -220,7 +218,7 @@ class Communicator(ABC):
         return out
 
     # ------------------------------------------------------------------ groups and life cycle
-    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+    def split(self, color: Optional[int], key: int = 0) -> Optional[Communicator]:
         """A sub-communicator of the ranks that pass the same `color`, ordered by (`key`, rank).
 
         Every rank must call it; a rank that passes `color=None` gets None.
@@ -348,7 +346,7 @@ class Communicator(ABC):
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work: ...
 
     @abstractmethod
-    def _split(self, color: Optional[int], key: int, seq: int) -> Optional["Communicator"]: ...
+    def _split(self, color: Optional[int], key: int, seq: int) -> Optional[Communicator]: ...
 
     @abstractmethod
     def _close(self) -> None: ...

@@ -51,7 +51,7 @@ class Fingerprint:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     @staticmethod
-    def decode(row: torch.Tensor) -> "Fingerprint":
+    def decode(row: torch.Tensor) -> Fingerprint:
         fields = row.numpy().tobytes().rstrip(b"\0").decode(errors="replace").split("\x1f")
         fields += [""] * (7 - len(fields))
         return Fingerprint(int(fields[0]), int(fields[1]), *fields[2:7])
@@ -67,7 +67,7 @@ def call_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-def verify(comm: "Communicator", mine: Fingerprint) -> None:
+def verify(comm: Communicator, mine: Fingerprint) -> None:
     """Allgather fingerprints (through the engine directly) and raise on any difference."""
     table = comm._allgather(mine.encode(), [_WIDTH] * comm.size, mine.seq).wait()
     prints = [Fingerprint.decode(table[i * _WIDTH : (i + 1) * _WIDTH]) for i in range(comm.size)]

@@ -19,7 +19,7 @@ import torch
 
 from hpdl.comm.base import Communicator
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
-from hpdl.comm.work import Work, completed, poll_until
+from hpdl.comm.work import Work, poll_until
 from hpdl.errors import BackendUnavailableError
 
 try:
@@ -117,7 +117,7 @@ class WindowBoard(ProgressBoard):
     def __init__(self, comm: Any):
         self._comm = comm
         self._win = MPI.Win.Allocate(16, 8, comm=comm)
-        self._mine = np.frombuffer(self._win.tomemory(), dtype=np.int64)
+        self._mine = np.frombuffer(self._win.tomemory(), dtype=np.int64)  # type: ignore[call-overload]
         self._mine[:] = 0
         self._win.Lock_all()
 
@@ -187,7 +187,9 @@ class MpiCommunicator(Communicator):
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
         host = self._host(t)
         wire = host.float() if t.dtype in _HALF else host
-        request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, _buffer(wire, _move_type(wire, "allreduce")), _reduce_op(wire, op))
+        request = self.mpi_comm.Iallreduce(
+            MPI.IN_PLACE, _buffer(wire, _move_type(wire, "allreduce")), _reduce_op(wire, op)
+        )
 
         def finish() -> torch.Tensor:
             if op == "avg":

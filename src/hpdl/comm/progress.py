@@ -39,7 +39,7 @@ class ProgressBoard(ABC):
     def read(self, timeout: float) -> list[State]:
         """Every rank's last post, waiting at most `timeout` seconds in total."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op by default: most boards hold nothing
         """Release engine resources (collective where the engine needs it)."""
 
 

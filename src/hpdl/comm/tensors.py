@@ -81,6 +81,5 @@ def check_divisible(tensor: torch.Tensor, size: int, op: str) -> None:
     if tensor.dim() == 0 or tensor.shape[0] % size != 0:
         dim0 = tensor.shape[0] if tensor.dim() else "a 0-d tensor"
         raise ValueError(
-            f"{op}: dim 0 ({dim0}) must divide evenly by the communicator size {size}; "
-            f"pad it to a multiple of {size}"
+            f"{op}: dim 0 ({dim0}) must divide evenly by the communicator size {size}; pad it to a multiple of {size}"
         )

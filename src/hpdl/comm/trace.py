@@ -47,7 +47,7 @@ class Tracer:
         finally:
             self.complete(name, start, time.perf_counter(), category, **args)
 
-    def write(self, path: str, comm: "Communicator") -> Optional[str]:
+    def write(self, path: str, comm: Communicator) -> Optional[str]:
         """Gather every rank's events and write one trace on rank 0 (collective); return the path there."""
         gathered = comm.allgather_object(self.events)
         if comm.rank != 0:

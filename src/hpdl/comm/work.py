@@ -47,7 +47,7 @@ class Work(Generic[T]):
 
     def __init__(
         self,
-        comm: "Communicator",
+        comm: Communicator,
         op: str,
         seq: int,
         test: Callable[[], bool],
@@ -90,12 +90,12 @@ class Work(Generic[T]):
         self._comm._trace_op(self.op, self._started)
 
 
-def completed(comm: "Communicator", op: str, seq: int, result: T) -> Work[T]:
+def completed(comm: Communicator, op: str, seq: int, result: T) -> Work[T]:
     """A handle for work that finished at once (one-process communicators, empty inputs)."""
     return Work(comm, op, seq, lambda: True, lambda: result)
 
 
-def chain(comm: "Communicator", op: str, seq: int, parts: list[Work], finish: Callable[[], T]) -> Work[T]:
+def chain(comm: Communicator, op: str, seq: int, parts: list[Work], finish: Callable[[], T]) -> Work[T]:
     """One handle for several engine operations that finish together."""
 
     def test() -> bool:

@@ -77,6 +77,12 @@ def finalize() -> None:
     _current = None
 
 
+def abandon() -> None:
+    """This rank is failing: let `finalize` skip every wait on other ranks (they may never come)."""
+    for comm in _worlds.values():
+        comm._broken = True
+
+
 def world() -> Communicator:
     """The communicator from the latest `init()`; NotInitializedError before it or after `finalize()`."""
     if _current is None:
@@ -111,7 +117,9 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     store = dist.TCPStore(addr, port, size, is_master=(rank == 0 and not agent_store), timeout=span)
     if not dist.is_initialized():
         engine = os.environ.get("HPDL_TORCH_ENGINE") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(engine, store=dist.PrefixStore("hpdl/pg", store), rank=rank, world_size=size, timeout=span)
+        dist.init_process_group(
+            engine, store=dist.PrefixStore("hpdl/pg", store), rank=rank, world_size=size, timeout=span
+        )
     comm = TorchCommunicator(None, store, local_rank=0, local_size=1, timeout=timeout, debug=debug)
     hosts = comm.allgather_object(socket.gethostname())
     same_node = [r for r, host in enumerate(hosts) if host == hosts[comm.rank]]
@@ -156,7 +164,12 @@ def _install_abort_hook() -> None:
     def abort_job(kind: Any, error: BaseException, tb: Any) -> None:
         comm = _current
         rank = comm.rank if comm is not None else "?"
-        if isinstance(error, CommError) and not isinstance(error, CommTimeoutError) and comm and comm.backend == "torch":
+        if (
+            isinstance(error, CommError)
+            and not isinstance(error, CommTimeoutError)
+            and comm
+            and comm.backend == "torch"
+        ):
             # A peer failed first and its traceback is the one that matters.
             sys.stderr.write(f"hpdl: rank {rank} stopping: {error}\n")
         else:

@@ -1,0 +1,48 @@
+"""Run one rank's script so that a non-zero exit ends the whole MPI job, as an exception does.
+
+MPICH's `mpiexec` lets the other ranks run on when one calls `sys.exit(3)`;
+they would wait in their next collective until it times out. `hpdl launch`
+therefore starts each rank as `python -m hpdl.runtime.run_rank script.py ...`,
+which turns a non-zero `SystemExit` into `MPI_Abort` with that code, and
+tells `finalize` not to wait at the exit barrier for ranks that will never
+come (on torch the launcher stops the others).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+__all__: list[str] = []
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m hpdl.runtime.run_rank script.py [args] | -m module [args]")
+    as_module = sys.argv[1] == "-m"
+    sys.argv = sys.argv[2:] if as_module else sys.argv[1:]
+    try:
+        if as_module:
+            runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if code != 0 and "hpdl.runtime.world" in sys.modules:
+            from hpdl.runtime.world import abandon
+
+            abandon()
+        if code != 0 and "mpi4py.MPI" in sys.modules:
+            from mpi4py import MPI
+
+            if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+                print(
+                    f"hpdl: rank {MPI.COMM_WORLD.Get_rank()} exited with code {code}; stopping the job", file=sys.stderr
+                )
+                sys.stderr.flush()
+                MPI.COMM_WORLD.Abort(code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

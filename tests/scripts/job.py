@@ -1,0 +1,33 @@
+"""A small job whose behaviour is chosen by its first argument (used by test_launcher.py)."""
+
+import os
+import sys
+import time
+
+import torch
+
+import hpdl
+
+mode = sys.argv[1]
+comm = hpdl.init(timeout=float(os.environ.get("JOB_TIMEOUT", "60")))
+print(f"rank {comm.rank} of {comm.size} on {comm.backend}", flush=True)
+x = torch.ones(4) * (comm.rank + 1)
+comm.allreduce(x)
+if mode == "ok":
+    print(f"sum {x[0].item():.0f}", flush=True)
+elif mode == "raise":
+    if comm.rank == comm.size - 1:
+        raise RuntimeError("boom on the last rank")
+    comm.allreduce(x)  # the others wait here and must be stopped
+elif mode == "exit3":
+    if comm.rank == 0:
+        sys.exit(3)
+    time.sleep(30)  # must be stopped by the launcher
+elif mode == "die":
+    if comm.rank == comm.size - 1:
+        os._exit(9)  # dies without a word, mid-job
+    comm.allreduce(x)
+elif mode == "noexit":
+    pass  # ends without finalize: hpdl must still leave the backend cleanly
+if mode != "noexit":
+    hpdl.finalize()

@@ -1,0 +1,55 @@
+"""Which launcher started us, and which backend `auto` picks: pure logic on environment dictionaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpdl.runtime.environment import detect
+
+CASES = [
+    ({}, "none", "self", 0, 1),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, "mpich", "mpi", 1, 4),
+    (
+        {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
+        "openmpi",
+        "mpi",
+        2,
+        8,
+    ),
+    ({"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "2"}, "mvapich", "mpi", 0, 2),
+    ({"PMIX_RANK": "3"}, "pmix", "mpi", 3, None),
+    ({"SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}, "slurm", "mpi", 5, 16),
+    (
+        {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x"},
+        "torchrun",
+        "torch",
+        1,
+        2,
+    ),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "torchrun", "torch", 0, 2),
+    ({"HPDL_BACKEND": "mpi", "PMI_RANK": "1", "PMI_SIZE": "2"}, "hpdl", "mpi", 1, 2),
+    (
+        {"HPDL_BACKEND": "torch", "RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "9"},
+        "hpdl",
+        "torch",
+        1,
+        3,
+    ),
+    ({"HPDL_BACKEND": "torch", "PMI_RANK": "0", "PMI_SIZE": "2"}, "hpdl", "torch", 0, 2),
+]
+
+
+@pytest.mark.parametrize("env,launcher,backend,rank,size", CASES)
+def test_detect(env, launcher, backend, rank, size):
+    found = detect(env)
+    assert (found.launcher, found.backend, found.rank, found.size) == (launcher, backend, rank, size)
+
+
+def test_slurm_allocation_without_srun_is_not_a_launch():
+    # sbatch sets SLURM_PROCID in the batch script itself; only an srun step means ranks.
+    assert detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}).backend == "self"
+
+
+def test_unknown_forced_backend_is_rejected():
+    with pytest.raises(ValueError, match="HPDL_BACKEND='nccl'"):
+        detect({"HPDL_BACKEND": "nccl"})
