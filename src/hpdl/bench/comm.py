@@ -40,6 +40,7 @@ DEFAULT_SIZES = tuple(4**k for k in range(1, 14))  # 4 B .. 64 MiB
 QUICK_SIZES = (4, KIB, 64 * KIB, MIB)
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "sendrecv")
 COLUMNS = ("hpdl-mpi", "hpdl-torch", "mpi4py", "torch.distributed")
+GLOO_PREFIXES = ("hpdl-torch", "torch.distributed")
 FUSION_TENSORS = 200
 FUSION_BYTES = 4 * KIB
 DEBUG_SIZES = (4, 64 * KIB, 4 * MIB)
@@ -54,9 +55,10 @@ TARGET_VS_GLOO_FROM = MIB
 TARGET_FUSION = 5.0
 
 TIMING = (
-    "per repetition: MPI barrier on COMM_WORLD, then every rank times its own call with time.perf_counter(); "
-    "a repetition's time is the max over ranks (send/recv: rank 0's round trip / 2; memory copy: rank 0 alone "
-    "while the other ranks wait in a barrier)"
+    "per repetition and column: the column's own engine's barrier (MPI_Barrier for hpdl-mpi and mpi4py, "
+    "torch.distributed.barrier for hpdl-torch and torch.distributed), then every rank times its own call with "
+    "time.perf_counter(); a repetition's time is the max over ranks (send/recv: rank 0's round trip / 2; memory "
+    "copy: rank 0 alone while the other ranks wait in MPI_Barrier)"
 )
 SIZE_MEANING = (
     "bytes = the message: allreduce/broadcast/send buffer; allgather: each rank's contribution (output = ranks x "
@@ -232,11 +234,11 @@ class Case:
     """One (operation, size): the columns to alternate, and how to check that each computes the right thing."""
 
     columns: dict[str, Column]
-    fill: Callable[[], None]
+    fill: Callable[[], Any]
     """Put the check pattern into the inputs."""
     correct: Callable[[Any], bool]
     """Whether a column's return value (or the in-place buffer) holds the expected result on this rank."""
-    clear: Callable[[], None]
+    clear: Callable[[], Any]
     """Zero the inputs, so that repeated reductions neither overflow nor change the arithmetic."""
 
 
@@ -250,6 +252,9 @@ class Bench:
     world: Any = field(init=False)
     dist: Any = field(init=False)
     MPI: Any = field(init=False)
+    all_gather: Any = field(init=False)
+    reduce_scatter: Any = field(init=False)
+    load_at_start: float = field(init=False)
 
     def __post_init__(self) -> None:
         import torch.distributed as dist
@@ -258,6 +263,11 @@ class Bench:
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
         self.dist = dist
+        # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn);
+        # use what hpdl's torch backend uses, so that the raw column is the same engine call.
+        self.all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self.load_at_start = os.getloadavg()[0]
 
     @property
     def rank(self) -> int:
@@ -279,35 +289,39 @@ class Bench:
                 raise RuntimeError(f"{name}: column {column} computed a wrong result on {verdict} rank(s)")
         case.clear()
 
+    def barrier_for(self, column: str) -> Callable[[], Any]:
+        """The column's own engine's barrier: a spinning MPI_Barrier before a gloo call starves gloo's threads."""
+        return self.dist.barrier if column.startswith(GLOO_PREFIXES) else self.world.Barrier
+
     def time(
         self, columns: Mapping[str, Column], *, warmup: int, reduce: str = "max", budget: Optional[float] = None
     ) -> tuple[dict[str, list[float]], int]:
         """Alternate the columns per repetition and return each column's seconds per repetition, and the count.
 
-        The count comes from the slowest warm-up round: as many repetitions
-        as fit `budget`, between `min_iters` and `iters`. Every rank derives
-        the same count from the same (max-reduced) estimate.
+        The count comes from the slowest rank's last warm-up round (barriers
+        included): as many repetitions as fit `budget`, between `min_iters`
+        and `iters`. Every rank derives the same count from the same
+        max-reduced estimate, so the ranks stay in step.
         """
         from time import perf_counter
 
         names = list(columns)
         fns = [columns[n] for n in names]
-        barrier = self.world.Barrier
-        last = np.zeros(len(fns))
+        syncs = [self.barrier_for(n) for n in names]
+        round_time = np.zeros(1)
         for _ in range(max(1, warmup)):
-            for i, fn in enumerate(fns):
-                barrier()
-                start = perf_counter()
+            round_start = perf_counter()
+            for sync, fn in zip(syncs, fns):
+                sync()
                 fn()
-                last[i] = perf_counter() - start
-        self.world.Allreduce(self.MPI.IN_PLACE, last, op=self.MPI.MAX)
-        per_round = float(last.sum()) + 10e-6 * len(fns)  # plus one barrier per column
+            round_time[0] = perf_counter() - round_start
+        self.world.Allreduce(self.MPI.IN_PLACE, round_time, op=self.MPI.MAX)
         limit = self.options.budget if budget is None else budget
-        reps = int(min(self.options.iters, max(self.options.min_iters, limit // per_round)))
+        reps = int(min(self.options.iters, max(self.options.min_iters, limit // float(round_time[0]))))
         times = np.zeros((len(fns), reps))
         for r in range(reps):
-            for i, fn in enumerate(fns):
-                barrier()
+            for i, (sync, fn) in enumerate(zip(syncs, fns)):
+                sync()
                 start = perf_counter()
                 fn()
                 times[i, r] = perf_counter() - start
@@ -364,7 +378,7 @@ def allgather_case(b: Bench, nbytes: int) -> Case:
         return out
 
     def raw_torch() -> Any:
-        b.dist.all_gather_into_tensor(out, inp)
+        b.all_gather(out, inp)
         return out
 
     def fill() -> None:
@@ -380,7 +394,7 @@ def allgather_case(b: Bench, nbytes: int) -> Case:
         },
         fill=fill,
         correct=lambda result: bool(torch.equal(torch.as_tensor(result), expected)),
-        clear=lambda: (inp.zero_(), out.zero_(), None)[-1],
+        clear=lambda: [t.zero_() for t in (inp, out)],
     )
 
 
@@ -398,7 +412,7 @@ def reduce_scatter_case(b: Bench, nbytes: int) -> Case:
         return out
 
     def raw_torch() -> Any:
-        b.dist.reduce_scatter_tensor(out, inp)
+        b.reduce_scatter(out, inp)
         return out
 
     def fill() -> None:
@@ -414,7 +428,7 @@ def reduce_scatter_case(b: Bench, nbytes: int) -> Case:
         },
         fill=fill,
         correct=lambda result: bool((torch.as_tensor(result) == want).all()),
-        clear=lambda: (inp.zero_(), out.zero_(), None)[-1],
+        clear=lambda: [t.zero_() for t in (inp, out)],
     )
 
 
@@ -514,7 +528,7 @@ def measure_copy(b: Bench) -> list[dict[str, Any]]:
     for nbytes in [s for s in b.options.sizes if s >= COPY_FROM]:
         src, dst = torch.ones(nbytes // ITEMSIZE), torch.empty(nbytes // ITEMSIZE)
 
-        def copy() -> None:
+        def copy(src: Any = src, dst: Any = dst) -> None:
             if b.rank == 0:
                 dst.copy_(src)
 
@@ -668,6 +682,10 @@ def configuration(b: Bench) -> dict[str, Any]:
         fusion_tensor_bytes=FUSION_BYTES,
         hpdl_fusion_mb=os.environ.get("HPDL_FUSION_MB", "64 (default)"),
         debug_sizes=list(DEBUG_SIZES),
+        raw_torch_allgather=f"torch.distributed.{b.all_gather.__name__}",
+        raw_torch_reduce_scatter=f"torch.distributed.{b.reduce_scatter.__name__}",
+        load_average_start=round(b.load_at_start, 2),
+        load_average_end=round(os.getloadavg()[0], 2),
     )
 
 
@@ -812,7 +830,8 @@ def header_lines(config: Mapping[str, Any]) -> list[str]:
         "mpi_library_version", "mpi4py_version", "hpdl_mpi_engine", "hpdl_torch_engine", "torch_version",
         "numpy_version", "python", "hpdl_version", "dtype", "sizes", "quick", "iters_max", "iters_min", "budget_s",
         "warmup", "warmup_from_1mib", "fusion_tensors", "fusion_tensor_bytes", "hpdl_fusion_mb", "debug_sizes",
-        "timing", "size_meaning",
+        "raw_torch_allgather", "raw_torch_reduce_scatter", "load_average_start", "load_average_end", "timing",
+        "size_meaning",
     )  # fmt: skip
     return [f"- {k}: {config.get(k)}" for k in keys]
 
@@ -846,8 +865,16 @@ def plot(path: str, records: Sequence[dict[str, Any]], config: Mapping[str, Any]
 def write_report(b: Bench, records: list[dict[str, Any]], elapsed: float) -> None:
     config = configuration(b)
     sizes = b.options.sizes
+    busy = max(config["load_average_start"], config["load_average_end"])
+    note = (
+        f"\n\n> Note: 1-minute load average {config['load_average_start']} at start, {config['load_average_end']} at "
+        f"the end, on {config['cpu_count']} CPUs: other work shared this machine, so absolute times are inflated "
+        "and noisier; the ratios come from alternating repetitions and suffer less."
+        if busy > 0.5
+        else ""
+    )
     sections = [
-        "## hpdl bench comm\n\n" + "\n".join(header_lines(config)),
+        "## hpdl bench comm\n\n" + "\n".join(header_lines(config)) + note,
         "## Latency (µs, median [p10, p90]) and bandwidth (GB/s)\n\n"
         "Ratios are ratios of medians; gloo = raw torch.distributed on gloo. Copy = `dst.copy_(src)` in one "
         "process (rank 0), printed for sizes >= 64 KiB; '% of copy' = copy time / hpdl-mpi time.\n\n"

@@ -12,6 +12,7 @@ import os
 import pickle
 import sys
 import time
+import zlib
 from abc import ABC, abstractmethod
 from typing import Any, Optional, Sequence
 
@@ -32,12 +33,14 @@ from hpdl.comm.tensors import (
 )
 from hpdl.comm.trace import Tracer
 from hpdl.comm.work import Work, chain
-from hpdl.errors import CommTimeoutError, NotInitializedError
+from hpdl.errors import CommError, CommTimeoutError, NotInitializedError
 
 __all__ = ["Communicator", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds any single wait may take before it becomes a `CommTimeoutError` (HPDL_TIMEOUT overrides)."""
+EXIT_BARRIER_SECONDS = 30.0
+"""At most this long, `finalize` waits for the other ranks before closing the engine."""
 
 
 def default_timeout() -> float:
@@ -53,8 +56,16 @@ def default_timeout() -> float:
     return seconds
 
 
+def env_flag(name: str, default: bool = False) -> bool:
+    """A yes/no environment variable: 0, false, no, off (any case) or empty mean no."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def default_debug() -> bool:
-    return os.environ.get("HPDL_DEBUG", "0").lower() not in ("", "0", "false", "no", "off")
+    return env_flag("HPDL_DEBUG")
 
 
 class Communicator(ABC):
@@ -164,7 +175,9 @@ class Communicator(ABC):
             check_contiguous(t, "allreduce_coalesced")
             check_reduce_op(op, t.dtype, "allreduce_coalesced")
         shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in views)
-        seq = self._begin("allreduce_coalesced", None, f"op={op} tensors={len(views)} sig={hash(shapes)}")
+        seq = self._begin(
+            "allreduce_coalesced", None, f"op={op} tensors={len(views)} sig={zlib.crc32(shapes.encode()):08x}"
+        )
         limit = fusion.bucket_bytes(bucket_mb)
         buckets = fusion.pack(views, limit)
         parts = [self._allreduce(bucket.flat, op, seq) for bucket in buckets]
@@ -243,6 +256,16 @@ class Communicator(ABC):
         self._closed = True
         self._close()
 
+    def _exit_barrier(self) -> None:
+        """Meet every rank before tearing the engine down; a rank that does not come is reported, not awaited."""
+        if self._broken or self._closed:
+            return
+        try:
+            seq = self._begin("finalize", None, "")
+            self._barrier(seq).wait(timeout=min(self.timeout, EXIT_BARRIER_SECONDS))
+        except CommError as exc:
+            print(f"hpdl: rank {self.rank}: {exc} Closing without waiting.", file=sys.stderr)
+
     @property
     def engine(self) -> str:
         """What actually moves the bytes (for example 'MPICH 5.0.2' or 'gloo')."""
@@ -299,6 +322,14 @@ class Communicator(ABC):
 
     def _timeout_error(self, op: str, seq: int, waited: float) -> CommTimeoutError:
         self._broken = True
+        if op.startswith(("send", "recv")):  # point-to-point: only the named peer can be missing
+            return CommTimeoutError(
+                f"{op} did not complete within {waited:.1f} s on rank {self.rank} of {self.size} "
+                f"({self.backend}): the peer did not post the matching call (same tag, same size), or is stuck. "
+                "Raise the limit with hpdl.init(timeout=...) or HPDL_TIMEOUT if the work is only slow.",
+                op=op,
+                seq=seq,
+            )
         try:
             states = self._board().read(min(2.0, self.timeout))
         except Exception as exc:  # the report must not hide the timeout itself

@@ -21,7 +21,11 @@ DEFAULT_BUCKET_MB = 64.0
 
 def bucket_bytes(bucket_mb: Optional[float]) -> int:
     if bucket_mb is None:
-        bucket_mb = float(os.environ.get("HPDL_FUSION_MB", DEFAULT_BUCKET_MB))
+        text = os.environ.get("HPDL_FUSION_MB", str(DEFAULT_BUCKET_MB))
+        try:
+            bucket_mb = float(text)
+        except ValueError:
+            raise ValueError(f"HPDL_FUSION_MB={text!r} must be a number of megabytes") from None
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb} must be positive (megabytes per fused buffer)")
     return int(bucket_mb * 1024 * 1024)

@@ -3,7 +3,7 @@
 Contiguous CPU tensors go to MPI as raw memory (address, count, datatype),
 so no pickling and no copy. float16 and bfloat16 have no MPI datatype:
 they move as 16-bit words and are reduced in float32. GPU tensors go to MPI
-directly when the library is CUDA-aware (`cuda_aware(comm)`), else they are
+directly when the library is CUDA-aware (`cuda_aware()`), else they are
 staged through host memory. Every call is non-blocking underneath, so every
 wait can time out.
 """
@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from hpdl.comm.base import Communicator
+from hpdl.comm.base import Communicator, env_flag
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
 from hpdl.comm.work import Work, poll_until
 from hpdl.errors import BackendUnavailableError
@@ -64,9 +64,8 @@ def library_version() -> str:
 
 def cuda_aware() -> bool:
     """Whether the MPI library accepts CUDA device pointers (HPDL_MPI_CUDA_AWARE=0/1 overrides)."""
-    forced = os.environ.get("HPDL_MPI_CUDA_AWARE")
-    if forced is not None:
-        return forced not in ("0", "false", "no")
+    if os.environ.get("HPDL_MPI_CUDA_AWARE") is not None:
+        return env_flag("HPDL_MPI_CUDA_AWARE")
     for path in _loaded_mpi_libraries():
         try:
             lib = ctypes.CDLL(path)
@@ -76,7 +75,7 @@ def cuda_aware() -> bool:
             return bool(lib.MPIX_Query_cuda_support())
         if hasattr(lib, "MPIX_GPU_query_support"):  # MPICH >= 4
             flag = ctypes.c_int(0)
-            lib.MPIX_GPU_query_support(ctypes.c_int(1), ctypes.byref(flag))  # MPIX_GPU_SUPPORT_CUDA
+            lib.MPIX_GPU_query_support(ctypes.c_int(0), ctypes.byref(flag))  # 0: MPIX_GPU_SUPPORT_CUDA
             return bool(flag.value)
     return False
 
@@ -266,6 +265,9 @@ class MpiCommunicator(Communicator):
         return MpiCommunicator(child, timeout=self.timeout, debug=self.debug)
 
     def _close(self) -> None:
+        # Freeing the window waits for every rank: meet at a bounded barrier first,
+        # and leave the resources to the process exit if someone does not come.
+        self._exit_barrier()
         if self._broken:
             return  # collectives may be pending; freeing would wait on them
         self._progress.close()

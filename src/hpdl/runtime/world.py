@@ -12,11 +12,10 @@ import atexit
 import os
 import socket
 import sys
-import traceback
 from typing import Any, Optional
 
 from hpdl.comm.base import Communicator, default_debug, default_timeout
-from hpdl.errors import CommError, CommTimeoutError, NotInitializedError
+from hpdl.errors import BackendUnavailableError, CommError, CommTimeoutError, NotInitializedError
 from hpdl.runtime.environment import BACKENDS, Launch, detect, free_port
 
 __all__ = ["init", "finalize", "world", "is_initialized"]
@@ -24,7 +23,6 @@ __all__ = ["init", "finalize", "world", "is_initialized"]
 _worlds: dict[str, Communicator] = {}
 _current: Optional[Communicator] = None
 _atexit_registered = False
-_EXIT_BARRIER_SECONDS = 30.0
 
 
 def init(backend: str = "auto", *, timeout: Optional[float] = None, debug: Optional[bool] = None) -> Communicator:
@@ -46,9 +44,13 @@ def init(backend: str = "auto", *, timeout: Optional[float] = None, debug: Optio
     checking = default_debug() if debug is None else bool(debug)
     if chosen in _worlds:
         _current = _worlds[chosen]
+        if timeout is not None:
+            _current.timeout = seconds
+        if debug is not None:
+            _current.debug = checking
         return _current
     if chosen == "mpi":
-        comm = _mpi_world(seconds, checking)
+        comm = _mpi_world(launch, seconds, checking)
     elif chosen == "torch":
         comm = _torch_world(launch, seconds, checking)
     else:
@@ -94,10 +96,18 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def _mpi_world(timeout: float, debug: bool) -> Communicator:
+def _mpi_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     from hpdl.comm.mpi_backend import MPI, MpiCommunicator
 
-    return MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug)
+    comm = MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug)
+    if launch.size is not None and launch.size != comm.size:
+        raise BackendUnavailableError(
+            f"the launcher ({launch.launcher}) started {launch.size} ranks but MPI sees {comm.size}: mpi4py is "
+            "linked to a different MPI library than the launcher's. Rebuild it against the site MPI "
+            "(`env MPICC=$(which mpicc) pip install --no-binary=mpi4py --force-reinstall mpi4py`) and do not "
+            "install the `mpich` wheel there, or launch with that MPI's own mpiexec."
+        )
+    return comm
 
 
 def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
@@ -107,7 +117,6 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     import torch.distributed as dist
 
     from hpdl.comm.torch_backend import TorchCommunicator
-    from hpdl.errors import BackendUnavailableError
 
     if not dist.is_available():
         raise BackendUnavailableError("this torch build has no torch.distributed; install a standard torch wheel")
@@ -145,11 +154,7 @@ def _torch_rendezvous(launch: Launch) -> tuple[int, int, str, int]:
 def _close_torch(comm: Communicator) -> None:
     import torch.distributed as dist
 
-    if not comm._broken and not comm._closed:
-        try:
-            comm._barrier(-1).wait(timeout=min(comm.timeout, _EXIT_BARRIER_SECONDS))
-        except CommError as exc:
-            print(f"hpdl: rank {comm.rank}: exit barrier failed ({exc}); closing anyway", file=sys.stderr)
+    comm._exit_barrier()  # gloo aborts at exit unless the group is torn down after a barrier
     comm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -174,7 +179,7 @@ def _install_abort_hook() -> None:
             sys.stderr.write(f"hpdl: rank {rank} stopping: {error}\n")
         else:
             sys.stderr.write(f"hpdl: rank {rank} failed; stopping every rank of the job\n")
-            traceback.print_exception(kind, error, tb)
+            previous(kind, error, tb)  # the user's own hook, or Python's traceback
         sys.stderr.flush()
         sys.stdout.flush()
         if "hpdl.comm.mpi_backend" in sys.modules:
@@ -184,6 +189,4 @@ def _install_abort_hook() -> None:
         os._exit(1)
 
     abort_job._hpdl = True  # type: ignore[attr-defined]
-    if previous is not sys.__excepthook__:
-        abort_job.__wrapped__ = previous  # type: ignore[attr-defined]
     sys.excepthook = abort_job
