@@ -20,8 +20,8 @@ demo: install
 	$(BIN)/hpdl bench comm --quick
 
 lint: install
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 
 typecheck: install
 	$(BIN)/mypy
