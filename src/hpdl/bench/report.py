@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import socket
-import sys
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -88,7 +87,9 @@ def environment(**extra: Any) -> dict[str, Any]:
         import mpi4py
         from mpi4py import MPI
 
-        env["mpi_library_version"] = MPI.Get_library_version().strip().splitlines()[0].strip()
+        text = MPI.Get_library_version().strip()
+        env["mpi_library_version"] = " ".join(text.splitlines()[0].split())
+        env["mpi_library_version_full"] = text
         env["mpi_standard"] = "{}.{}".format(*MPI.Get_version())
         env["mpi4py_version"] = mpi4py.__version__
     except ImportError:
@@ -115,16 +116,15 @@ def _cpu_model() -> str:
 
 
 def write_records(path: str, records: Sequence[Mapping[str, Any]], config: Mapping[str, Any]) -> None:
-    """Write a JSON list with one self-contained record per measurement: its own fields plus the full `config`.
+    """Write a JSON list of self-contained records, one per measurement: its own fields plus the full `config`.
 
     Repeating the configuration in every record costs bytes but lets any
     single record be read (or concatenated with other runs) on its own.
     """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    merged = [{**config, **record} for record in records]
-    with open(path, "w") as out:
-        json.dump(merged, out, indent=1, default=_jsonable)
-        out.write("\n")
+    lines = [json.dumps({**config, **record}, default=_jsonable) for record in records]
+    with open(path, "w") as out:  # a JSON list, one record per line: loads whole, greps and diffs by record
+        out.write("[\n" + ",\n".join(lines) + "\n]\n")
 
 
 def _jsonable(value: Any) -> Any:
@@ -218,8 +218,3 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value
-
-
-def stderr_note(message: str) -> None:
-    """A note for the person running the benchmark that must not mix with the report on stdout."""
-    print(message, file=sys.stderr)

@@ -1,0 +1,35 @@
+"""Smoke test of `hpdl bench comm --quick`: the benchmark code runs end to end on 2 ranks and writes its files.
+
+It checks the shape of the output, never the timings (benchmarks are not tests).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpdl.bench.comm import COLUMNS, OPS, launch
+
+
+def test_quick_run_writes_every_op_and_column(tmp_path: Path) -> None:
+    code = launch(["-n", "2", "--quick", "--out", str(tmp_path)])
+    assert code == 0
+
+    records = json.loads((tmp_path / "comm.json").read_text())
+    latency = {(r["op"], r["column"]) for r in records if r["section"] == "latency"}
+    missing = {(op, column) for op in OPS for column in COLUMNS} - latency
+    assert not missing, f"no records for {sorted(missing)}"
+    for record in records:
+        assert record["ranks"] == 2 and record["dtype"] == "float32"
+        assert record["median_us"] > 0 and record["reps"] >= 1 and record["correct"]
+        assert record["mpi_library_version"] and record["torch_version"] and record["hostname"]
+    sections = {r["section"] for r in records}
+    assert {"latency", "copy", "fusion", "debug"} <= sections
+
+    markdown = (tmp_path / "comm.md").read_text()
+    assert "### allreduce" in markdown and "## Targets" in markdown
+
+
+def test_bad_arguments_return_an_exit_code_instead_of_raising() -> None:
+    assert launch(["-n", "1"]) == 2
+    assert launch(["--sizes", "6"]) == 2
