@@ -282,3 +282,37 @@ def test_split(group):
         weight = sum(r + 1 for r in mine)
         assert scattered == [float((2 * sub_rank + i) * weight) for i in range(2)]
         assert exchanged == [sub_rank + 100 * member for member in mine]
+
+
+# ---------------------------------------------------------------- caller's output buffers
+def into_out(comm):
+    k, r = comm.size, comm.rank
+    gathered = torch.empty(2 * k, 3)
+    same_g = comm.allgather(torch.full((2, 3), float(r)), out=gathered) is gathered
+    uneven = torch.empty(sum(range(1, k + 1)), dtype=torch.int64)
+    comm.allgather(torch.full((r + 1,), r), sizes=list(range(1, k + 1)), out=uneven)
+    scattered = torch.empty(2, dtype=torch.bfloat16)
+    same_s = comm.reduce_scatter(torch.ones(2 * k, dtype=torch.bfloat16), out=scattered, op="avg") is scattered
+    exchanged = np.empty(k, dtype=np.int64)
+    same_a = comm.alltoall(np.arange(k) + 10 * r, out=exchanged) is exchanged
+    work = comm.allgather(torch.tensor([r]), out=torch.empty(k, dtype=torch.int64), async_op=True)
+    errors = []
+    for bad in (torch.empty(2 * k + 1, 3), torch.empty(2 * k, 3, dtype=torch.float64), torch.empty(2 * k, 3).t()):
+        try:
+            comm.allgather(torch.ones(2, 3), out=bad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return gathered, same_g, uneven, scattered, same_s, exchanged, same_a, work.wait(), errors
+
+
+def test_results_into_caller_buffers(group):
+    k = group.nprocs
+    for r, result in enumerate(group.run(into_out)):
+        gathered, same_g, uneven, scattered, same_s, exchanged, same_a, waited, errors = result
+        assert same_g and same_s and same_a
+        assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(s)) for s in range(k)]))
+        assert torch.equal(uneven, torch.cat([torch.full((s + 1,), s) for s in range(k)]))
+        assert scattered.tolist() == [1.0, 1.0]
+        np.testing.assert_array_equal(exchanged, r + 10 * np.arange(k))
+        assert waited.tolist() == list(range(k))
+        assert len(errors) == 3 and "shape" in errors[0] and "dtype" in errors[1] and "contiguous" in errors[2]

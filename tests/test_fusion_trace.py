@@ -12,16 +12,35 @@ from hpdl.comm.trace import Tracer
 
 
 def test_pack_groups_by_dtype_and_bounds_bucket_bytes():
-    tensors = [torch.ones(100), torch.ones(100, dtype=torch.float64), torch.ones(100), torch.ones(1000)]
+    tensors = [torch.ones(100), torch.ones(100, dtype=torch.float64), torch.ones(10, 10), torch.ones(1000)]
     buckets = fusion.pack(tensors, limit_bytes=800)
     kinds = [(b.flat.dtype, b.flat.numel()) for b in buckets]
     # float32: 100 + 100 elements fit 800 bytes; the 1000-element tensor exceeds it and travels alone (no copy)
     assert kinds == [(torch.float32, 200), (torch.float32, 1000), (torch.float64, 100)]
     assert buckets[1].flat.data_ptr() == tensors[3].data_ptr()
     for bucket in buckets:
+        bucket.fill()
         bucket.flat.mul_(3)
         bucket.unpack()
     assert all(bool((t == 3).all()) for t in tensors)
+
+
+def test_packer_reuses_a_layout_only_for_the_same_tensors():
+    packer = fusion.Packer()
+    grads = [torch.full((5,), float(i)) for i in range(4)]
+    first = packer.acquire(grads, 1 << 20)
+    assert first.buckets[0].flat.tolist() == [float(i) for i in range(4) for _ in range(5)]
+    assert packer.acquire(grads, 1 << 20) is not first  # still in flight: a fresh layout, never shared
+    first.busy = False
+    for g in grads:
+        g.add_(10)
+    again = packer.acquire(grads, 1 << 20)
+    assert again is first and again.buckets[0].flat[0].item() == 10.0  # same layout, current values
+    again.busy = False
+    grads[0].resize_(3)  # same address, other size: must not reuse
+    assert packer.acquire(grads, 1 << 20) is not first
+    other = [torch.ones(5) for _ in range(4)]
+    assert packer.acquire(other, 1 << 20) is not first
 
 
 def test_bucket_size_must_be_positive():

@@ -386,8 +386,9 @@ def allgather_case(b: Bench, nbytes: int) -> Case:
 
     return Case(
         columns={
-            "hpdl-mpi": lambda: b.mpi.allgather(inp, sizes=sizes),
-            "hpdl-torch": lambda: b.gloo.allgather(inp, sizes=sizes),
+            # Every column writes into the same preallocated output (as the raw calls must).
+            "hpdl-mpi": lambda: b.mpi.allgather(inp, sizes=sizes, out=out),
+            "hpdl-torch": lambda: b.gloo.allgather(inp, sizes=sizes, out=out),
             "mpi4py": raw_mpi,
             "torch.distributed": raw_torch,
         },
@@ -420,8 +421,8 @@ def reduce_scatter_case(b: Bench, nbytes: int) -> Case:
 
     return Case(
         columns={
-            "hpdl-mpi": lambda: b.mpi.reduce_scatter(inp),
-            "hpdl-torch": lambda: b.gloo.reduce_scatter(inp),
+            "hpdl-mpi": lambda: b.mpi.reduce_scatter(inp, out=out),
+            "hpdl-torch": lambda: b.gloo.reduce_scatter(inp, out=out),
             "mpi4py": raw_mpi,
             "torch.distributed": raw_torch,
         },

@@ -88,32 +88,45 @@ class Communicator(ABC):
         self.debug = debug
         self.tracer: Optional[Tracer] = None
         self._seq = 0
-        self._last_op = ""
         self._closed = False
         self._broken = False
         self._children: list[Communicator] = []
+        self._packer = fusion.Packer()
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: ArrayLike, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce `tensor` across ranks in place and return it (ops: sum, avg, max, min, prod)."""
         t = self._tensor_arg(tensor, "allreduce")
         check_reduce_op(op, t.dtype, "allreduce")
-        seq = self._begin("allreduce", t, f"op={op}")
+        seq = self._begin("allreduce", t, op)
         work = self._allreduce(t, op, seq)
-        return self._finish(work, tensor, async_op, in_place=True)
+        if async_op:
+            return work.returns(tensor)
+        work.wait()
+        return tensor
 
-    def allgather(self, tensor: ArrayLike, *, sizes: Optional[Sequence[int]] = None, async_op: bool = False) -> Any:
+    def allgather(
+        self,
+        tensor: ArrayLike,
+        *,
+        sizes: Optional[Sequence[int]] = None,
+        out: Optional[ArrayLike] = None,
+        async_op: bool = False,
+    ) -> Any:
         """Concatenate every rank's tensor along dim 0 into a new tensor (dim-0 sizes may differ).
 
         `sizes` (every rank's dim-0 size, the same list on all ranks) skips the
-        small exchange of sizes that an uneven gather otherwise needs.
+        small exchange of sizes that an uneven gather otherwise needs. `out`
+        receives the result instead of a new tensor (no allocation, which
+        matters for large buffers); with `out` and no `sizes`, every rank's
+        dim 0 is taken to equal this rank's (debug mode checks it).
         """
         t = self._tensor_arg(tensor, "allgather")
         if t.dim() == 0:
             t = t.reshape(1)
-        seq = self._begin("allgather", t, "", shape_tail_only=True)
+        seq = self._begin("allgather", t, "", shape_tail_only=out is None or sizes is not None)
         if sizes is None:
-            counts = self._exchange_sizes(t, seq)
+            counts = self._exchange_sizes(t, seq) if out is None else [t.shape[0]] * self.size
         else:
             counts = [int(s) for s in sizes]
             if len(counts) != self.size or counts[self.rank] != t.shape[0]:
@@ -121,17 +134,24 @@ class Communicator(ABC):
                     f"allgather: sizes={list(sizes)} must list {self.size} dim-0 sizes with this rank's "
                     f"({t.shape[0]}) at position {self.rank}"
                 )
-        work = self._allgather(t, counts, seq)
-        return self._finish(work, tensor, async_op, in_place=False)
+        target = self._out_arg(out, t, (sum(counts), *t.shape[1:]), "allgather")
+        work = self._allgather(t, counts, seq, target)
+        return self._finish(work, tensor if out is None else out, async_op, in_place=out is not None)
 
-    def reduce_scatter(self, tensor: ArrayLike, op: str = "sum", *, async_op: bool = False) -> Any:
-        """Reduce `tensor` across ranks and return this rank's slice of dim 0 (dim 0 divisible by size)."""
+    def reduce_scatter(
+        self, tensor: ArrayLike, op: str = "sum", *, out: Optional[ArrayLike] = None, async_op: bool = False
+    ) -> Any:
+        """Reduce `tensor` across ranks and return this rank's slice of dim 0 (dim 0 divisible by size).
+
+        `out` (shape of one slice) receives the result instead of a new tensor.
+        """
         t = self._tensor_arg(tensor, "reduce_scatter")
         check_reduce_op(op, t.dtype, "reduce_scatter")
         check_divisible(t, self.size, "reduce_scatter")
+        target = self._out_arg(out, t, (t.shape[0] // self.size, *t.shape[1:]), "reduce_scatter")
         seq = self._begin("reduce_scatter", t, f"op={op}")
-        work = self._reduce_scatter(t, op, seq)
-        return self._finish(work, tensor, async_op, in_place=False)
+        work = self._reduce_scatter(t, op, seq, target)
+        return self._finish(work, tensor if out is None else out, async_op, in_place=out is not None)
 
     def broadcast(self, tensor: ArrayLike, root: int = 0, *, async_op: bool = False) -> Any:
         """Copy `root`'s tensor into every rank's `tensor` in place and return it."""
@@ -139,15 +159,19 @@ class Communicator(ABC):
         check_root(root, self.size, "broadcast")
         seq = self._begin("broadcast", t, f"root={root}")
         work = self._broadcast(t, root, seq)
-        return self._finish(work, tensor, async_op, in_place=True)
+        if async_op:
+            return work.returns(tensor)
+        work.wait()
+        return tensor
 
-    def alltoall(self, tensor: ArrayLike, *, async_op: bool = False) -> Any:
-        """Split dim 0 evenly into `size` blocks; block j goes to rank j; return the blocks received."""
+    def alltoall(self, tensor: ArrayLike, *, out: Optional[ArrayLike] = None, async_op: bool = False) -> Any:
+        """Split dim 0 evenly into `size` blocks; block j goes to rank j; return the blocks received (or fill `out`)."""
         t = self._tensor_arg(tensor, "alltoall")
         check_divisible(t, self.size, "alltoall")
+        target = self._out_arg(out, t, tuple(t.shape), "alltoall")
         seq = self._begin("alltoall", t, "")
-        work = self._alltoall(t, seq)
-        return self._finish(work, tensor, async_op, in_place=False)
+        work = self._alltoall(t, seq, target)
+        return self._finish(work, tensor if out is None else out, async_op, in_place=out is not None)
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Wait until every rank has arrived (bounded by the timeout like every wait)."""
@@ -171,20 +195,23 @@ class Communicator(ABC):
         """
         self._check_open("allreduce_coalesced")
         views = [as_tensor(x, "allreduce_coalesced") for x in tensors]
-        for t in views:
-            check_contiguous(t, "allreduce_coalesced")
-            check_reduce_op(op, t.dtype, "allreduce_coalesced")
-        shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in views)
-        seq = self._begin(
-            "allreduce_coalesced", None, f"op={op} tensors={len(views)} sig={zlib.crc32(shapes.encode()):08x}"
-        )
-        limit = fusion.bucket_bytes(bucket_mb)
-        buckets = fusion.pack(views, limit)
-        parts = [self._allreduce(bucket.flat, op, seq) for bucket in buckets]
+        if not all(t.is_contiguous() for t in views):
+            for t in views:
+                check_contiguous(t, "allreduce_coalesced")
+        for dtype in {t.dtype for t in views}:
+            check_reduce_op(op, dtype, "allreduce_coalesced")
+        detail = f"op={op} tensors={len(views)}"
+        if self.debug:  # the shapes' digest costs ~1 us per tensor: only where it is compared
+            shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in views)
+            detail += f" shapes={zlib.crc32(shapes.encode()):08x}"
+        seq = self._begin("allreduce_coalesced", None, detail)
+        plan = self._packer.acquire(views, fusion.bucket_bytes(bucket_mb))
+        parts = [self._allreduce(bucket.flat, op, seq) for bucket in plan.buckets]
 
         def finish() -> list:
-            for bucket in buckets:
+            for bucket in plan.buckets:
                 bucket.unpack()
+            plan.busy = False
             return list(tensors)
 
         work = chain(self, "allreduce_coalesced", seq, parts, finish)
@@ -281,6 +308,18 @@ class Communicator(ABC):
         check_contiguous(t, op)
         return t
 
+    def _out_arg(self, out: Any, like: torch.Tensor, shape: tuple, op: str) -> Optional[torch.Tensor]:
+        """Check a caller's output buffer: a contiguous tensor of the result's shape, dtype and device."""
+        if out is None:
+            return None
+        target = self._tensor_arg(out, op)
+        check_same_device_dtype(target, like, op)
+        if tuple(target.shape) != tuple(shape):
+            raise ValueError(f"{op}: out has shape {tuple(target.shape)}; the result has shape {tuple(shape)}")
+        if target.data_ptr() == like.data_ptr() and like.numel():
+            raise ValueError(f"{op}: out must not share memory with the input")
+        return target
+
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise NotInitializedError(
@@ -291,14 +330,18 @@ class Communicator(ABC):
     def _begin(self, op: str, tensor: Optional[torch.Tensor], detail: str, shape_tail_only: bool = False) -> int:
         """Number the collective, publish progress for timeout reports, and in debug mode compare fingerprints."""
         self._seq += 1
-        self._last_op = op
-        self._board().post(self._seq, op)
+        self._post(self._seq, op)
         if self.debug:
             shape = "" if tensor is None else str(tuple(tensor.shape[1:] if shape_tail_only else tensor.shape))
             dtype = "" if tensor is None else str(tensor.dtype).replace("torch.", "")
             mine = fingerprint.Fingerprint(self.rank, self._seq, op, shape, dtype, detail, fingerprint.call_site())
             fingerprint.verify(self, mine)
         return self._seq
+
+    def _post(self, seq: int, op: str) -> None:
+        post = self._board().post
+        self._post = post  # type: ignore[method-assign]  # bound once: this runs on every collective
+        post(seq, op)
 
     def _exchange_sizes(self, t: torch.Tensor, seq: int) -> list[int]:
         """Every rank's dim-0 size, checking that the other dims agree (one small allgather)."""
@@ -315,9 +358,12 @@ class Communicator(ABC):
 
     def _finish(self, work: Work, original: Any, async_op: bool, in_place: bool) -> Any:
         if in_place:
-            work = _with_result(work, original)
-        elif not isinstance(original, torch.Tensor):
-            work = _map_result(work, lambda result: like_input(result, original))
+            if async_op:
+                return work.returns(original)
+            work.wait()
+            return original
+        if not isinstance(original, torch.Tensor):
+            work.then(lambda result: like_input(result, original))
         return work if async_op else work.wait()
 
     def _timeout_error(self, op: str, seq: int, waited: float) -> CommTimeoutError:
@@ -356,16 +402,16 @@ class Communicator(ABC):
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work: ...
 
     @abstractmethod
-    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int) -> Work: ...
+    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work: ...
 
     @abstractmethod
-    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int) -> Work: ...
+    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int, out: Optional[torch.Tensor] = None) -> Work: ...
 
     @abstractmethod
     def _broadcast(self, t: torch.Tensor, root: int, seq: int) -> Work: ...
 
     @abstractmethod
-    def _alltoall(self, t: torch.Tensor, seq: int) -> Work: ...
+    def _alltoall(self, t: torch.Tensor, seq: int, out: Optional[torch.Tensor] = None) -> Work: ...
 
     @abstractmethod
     def _barrier(self, seq: int) -> Work: ...
@@ -386,18 +432,3 @@ class Communicator(ABC):
 def _pickle(obj: Any) -> torch.Tensor:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _with_result(work: Work, result: Any) -> Work:
-    return _map_result(work, lambda _: result)
-
-
-def _map_result(work: Work, fn: Any) -> Work:
-    inner = work._finish
-    work._finish = lambda: fn(inner())
-    return work
-
-
-def check_pair(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
-    """Shared check for operations that take an input and an output tensor."""
-    check_same_device_dtype(a, b, op)

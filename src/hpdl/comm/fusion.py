@@ -4,11 +4,17 @@ Every collective pays a fixed latency (alpha in the alpha-beta model); 200
 gradients of 4 KB sent one by one pay it 200 times. Packing them into
 buffers of up to `bucket_mb` megabytes pays it once per buffer (Horovod's
 tensor fusion, DDP's buckets).
+
+Training reduces the same tensors every step, so the layout (which tensor
+goes where in which flat buffer) is planned once and kept: later calls with
+the same tensors only run one `torch.cat(..., out=flat)` and one foreach
+copy per buffer, about half a microsecond per tensor.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -17,6 +23,8 @@ import torch
 __all__: list[str] = []
 
 DEFAULT_BUCKET_MB = 64.0
+PLANS_KEPT = 8
+"""Layouts remembered (least recently used dropped); each keeps its tensors and flat buffers alive."""
 
 
 def bucket_bytes(bucket_mb: Optional[float]) -> int:
@@ -31,44 +39,91 @@ def bucket_bytes(bucket_mb: Optional[float]) -> int:
     return int(bucket_mb * 1024 * 1024)
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.view(-1)
+
+
 @dataclass
 class Bucket:
     """Tensors of one dtype and device that travel together in `flat`."""
 
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    targets: list[torch.Tensor]
+    """The tensors, viewed flat (same memory as the caller's)."""
+    flat: torch.Tensor
+    chunks: tuple[torch.Tensor, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if len(self.targets) > 1:
+            self.chunks = self.flat.split([t.numel() for t in self.targets])
+
+    def fill(self) -> None:
+        """Copy the tensors into the flat buffer (nothing to do for a tensor that is its own buffer)."""
+        if len(self.targets) > 1:
+            torch.cat(self.targets, out=self.flat)
 
     def unpack(self) -> None:
-        if len(self.tensors) == 1 and self.tensors[0].data_ptr() == self.flat.data_ptr():
-            return  # reduced in place, nothing to copy back
-        offset = 0
-        for t in self.tensors:
-            n = t.numel()
-            t.copy_(self.flat[offset : offset + n].view_as(t))
-            offset += n
+        """Copy the (reduced) flat buffer back into the tensors."""
+        if len(self.targets) > 1:
+            torch._foreach_copy_(self.targets, self.chunks)
+
+
+@dataclass
+class Plan:
+    buckets: list[Bucket]
+    numels: list[int]
+    busy: bool = False
+
+
+class Packer:
+    """Plans and remembers fusion layouts for the lists of tensors a communicator reduces."""
+
+    def __init__(self) -> None:
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+
+    def acquire(self, tensors: Sequence[torch.Tensor], limit_bytes: int) -> Plan:
+        """A plan whose flat buffers hold the tensors' current values; `release` it after unpacking."""
+        # A plan holds views of its tensors, so their memory cannot be reused by
+        # others while it is remembered: equal addresses and sizes mean the same tensors.
+        key = (limit_bytes, *[t.data_ptr() for t in tensors])
+        plan = self._plans.get(key)
+        if plan is not None and plan.numels != [t.numel() for t in tensors]:
+            plan = None  # resized in place
+        if plan is None or plan.busy:  # new tensors, or the same ones still in flight
+            plan = Plan(pack(tensors, limit_bytes), [t.numel() for t in tensors])
+            if key not in self._plans:
+                self._plans[key] = plan
+                if len(self._plans) > PLANS_KEPT:
+                    self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        for bucket in plan.buckets:
+            bucket.fill()
+        plan.busy = True
+        return plan
 
 
 def pack(tensors: Sequence[torch.Tensor], limit_bytes: int) -> list[Bucket]:
-    """Group tensors by (dtype, device) in order and copy each group into flat buffers of at most `limit_bytes`.
+    """Group tensors by (dtype, device) in order into flat buffers of at most `limit_bytes` (not filled yet).
 
     A tensor larger than the limit gets a buffer of its own, which is the
     tensor itself (viewed flat, no copy).
     """
-    groups: dict[tuple, list[list[torch.Tensor]]] = {}
-    sizes: dict[tuple, int] = {}
+    runs: dict[object, list[list[torch.Tensor]]] = {}
+    filled: dict[object, int] = {}
     for t in tensors:
-        key = (t.dtype, t.device)
+        key = t.dtype if t.is_cpu else (t.dtype, t.device)
         nbytes = t.numel() * t.element_size()
-        if key not in groups or sizes[key] + nbytes > limit_bytes:
-            groups.setdefault(key, []).append([])
-            sizes[key] = 0
-        groups[key][-1].append(t)
-        sizes[key] += nbytes
+        if key not in runs or filled[key] + nbytes > limit_bytes:
+            runs.setdefault(key, []).append([])
+            filled[key] = 0
+        runs[key][-1].append(_flat(t))
+        filled[key] += nbytes
     buckets = []
-    for runs in groups.values():
-        for run in runs:
-            if not run:
-                continue
-            flat = torch.cat([t.reshape(-1) for t in run]) if len(run) > 1 else run[0].view(-1)
-            buckets.append(Bucket(run, flat))
+    for groups in runs.values():
+        for run in groups:
+            if len(run) == 1:
+                buckets.append(Bucket(run, run[0]))
+            elif run:
+                total = sum(t.numel() for t in run)
+                buckets.append(Bucket(run, torch.empty(total, dtype=run[0].dtype, device=run[0].device)))
     return buckets

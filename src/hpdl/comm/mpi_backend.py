@@ -50,6 +50,8 @@ for _name, _mpi in (("uint16", MPI.UINT16_T), ("uint32", MPI.UINT32_T), ("uint64
     if hasattr(torch, _name):
         _MOVE_TYPES[getattr(torch, _name)] = _mpi
 
+_NATIVE = {dtype: mpi for dtype, mpi in _MOVE_TYPES.items() if dtype not in (torch.float16, torch.bfloat16, torch.bool)}
+"""dtypes whose MPI datatype reduces them directly (16-bit floats go through float32, bool through LOR/LAND)."""
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "prod": MPI.LAND}
 _HALF = (torch.float16, torch.bfloat16)
@@ -89,9 +91,24 @@ def _loaded_mpi_libraries() -> list[str]:
     return sorted(paths)
 
 
+# A buffer object only names (address, length), so one made for a region stays
+# valid for any tensor later placed there: reuse them (gradient buckets and
+# training buffers come back to the same addresses every step).
+_BUFFERS: dict[tuple[int, int], Any] = {}
+_BUFFER_CACHE_SIZE = 1024
+
+
 def _memory(t: torch.Tensor) -> Any:
     nbytes = t.numel() * t.element_size()
-    return MPI.buffer.fromaddress(t.data_ptr(), nbytes) if nbytes else _EMPTY[:0]
+    if not nbytes:
+        return _EMPTY[:0]
+    key = (t.data_ptr(), nbytes)
+    memory = _BUFFERS.get(key)
+    if memory is None:
+        if len(_BUFFERS) >= _BUFFER_CACHE_SIZE:
+            _BUFFERS.clear()
+        memory = _BUFFERS[key] = MPI.buffer.fromaddress(key[0], nbytes)
+    return memory
 
 
 def _buffer(t: torch.Tensor, dtype: Any) -> list:
@@ -184,6 +201,10 @@ class MpiCommunicator(Communicator):
         return Work(self, op, seq, request.Test, finish)
 
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
+        if t.is_cpu and t.dtype in _NATIVE:  # the common case, kept short: it runs for every bucket
+            request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, [_memory(t), _NATIVE[t.dtype]], _OPS[op])
+            average = (lambda: t.div_(self.size)) if op == "avg" else None
+            return Work(self, "allreduce", seq, request.Test, average)
         host = self._host(t)
         wire = host.float() if t.dtype in _HALF else host
         request = self.mpi_comm.Iallreduce(
@@ -199,10 +220,10 @@ class MpiCommunicator(Communicator):
 
         return self._work("allreduce", seq, request, finish)
 
-    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int) -> Work:
+    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work:
         host = self._host(t)
         row = int(torch.Size(t.shape[1:]).numel())
-        out_host = torch.empty((sum(sizes), *t.shape[1:]), dtype=t.dtype, device=host.device)
+        out_host = _output(out, host, (sum(sizes), *t.shape[1:]), t.dtype)
         dtype = _move_type(t, "allgather")
         if len(set(sizes)) == 1:
             request = self.mpi_comm.Iallgather(_buffer(host, dtype), _buffer(out_host, dtype))
@@ -211,22 +232,21 @@ class MpiCommunicator(Communicator):
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
             request = self.mpi_comm.Iallgatherv(_buffer(host, dtype), [_memory(out_host), counts, displs, dtype])
 
-        def finish() -> torch.Tensor:
-            return out_host if out_host.device == t.device else out_host.to(t.device)
+        return self._work("allgather", seq, request, lambda: _deliver(out_host, out, t.device))
 
-        return self._work("allgather", seq, request, finish)
-
-    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int) -> Work:
+    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int, out: Optional[torch.Tensor] = None) -> Work:
         host = self._host(t)
         wire = host.float() if t.dtype in _HALF else host
-        out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=wire.dtype, device=wire.device)
+        result = _output(out, wire, (t.shape[0] // self.size, *t.shape[1:]), wire.dtype)
         dtype = _move_type(wire, "reduce_scatter")
-        request = self.mpi_comm.Ireduce_scatter_block(_buffer(wire, dtype), _buffer(out, dtype), _reduce_op(wire, op))
+        request = self.mpi_comm.Ireduce_scatter_block(
+            _buffer(wire, dtype), _buffer(result, dtype), _reduce_op(wire, op)
+        )
 
         def finish() -> torch.Tensor:
             if op == "avg":
-                out.div_(self.size)
-            return out.to(device=t.device, dtype=t.dtype)
+                result.div_(self.size)
+            return _deliver(result, out, t.device, t.dtype)
 
         return self._work("reduce_scatter", seq, request, finish)
 
@@ -235,12 +255,12 @@ class MpiCommunicator(Communicator):
         request = self.mpi_comm.Ibcast(_buffer(host, _move_type(t, "broadcast")), root=root)
         return self._work("broadcast", seq, request, lambda: _copy_back(t, host))
 
-    def _alltoall(self, t: torch.Tensor, seq: int) -> Work:
+    def _alltoall(self, t: torch.Tensor, seq: int, out: Optional[torch.Tensor] = None) -> Work:
         host = self._host(t)
-        out = torch.empty_like(host)
+        result = _output(out, host, tuple(t.shape), t.dtype)
         dtype = _move_type(t, "alltoall")
-        request = self.mpi_comm.Ialltoall(_buffer(host, dtype), _buffer(out, dtype))
-        return self._work("alltoall", seq, request, lambda: out.to(t.device))
+        request = self.mpi_comm.Ialltoall(_buffer(host, dtype), _buffer(result, dtype))
+        return self._work("alltoall", seq, request, lambda: _deliver(result, out, t.device))
 
     def _barrier(self, seq: int) -> Work:
         return self._work("barrier", seq, self.mpi_comm.Ibarrier(), lambda: None)
@@ -273,6 +293,22 @@ class MpiCommunicator(Communicator):
         self._progress.close()
         if self.mpi_comm != MPI.COMM_WORLD:
             self.mpi_comm.Free()
+
+
+def _output(out: Optional[torch.Tensor], engine_side: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The buffer MPI writes into: the caller's `out` when MPI can use it directly, else a new one."""
+    if out is not None and out.device == engine_side.device and out.dtype == dtype:
+        return out
+    return torch.empty(shape, dtype=dtype, device=engine_side.device)
+
+
+def _deliver(
+    result: torch.Tensor, out: Optional[torch.Tensor], device: torch.device, dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """Hand the engine's result back on the caller's device and dtype (into `out` when given)."""
+    if out is not None:
+        return out if result is out else out.copy_(result)
+    return result.to(device=device, dtype=dtype or result.dtype)
 
 
 def _copy_back(t: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

@@ -28,17 +28,17 @@ class SelfCommunicator(Communicator):
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
         return completed(self, "allreduce", seq, t)
 
-    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int) -> Work:
-        return completed(self, "allgather", seq, t.clone())
+    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work:
+        return completed(self, "allgather", seq, _copy(t, out))
 
-    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int) -> Work:
-        return completed(self, "reduce_scatter", seq, t.clone())
+    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int, out: Optional[torch.Tensor] = None) -> Work:
+        return completed(self, "reduce_scatter", seq, _copy(t, out))
 
     def _broadcast(self, t: torch.Tensor, root: int, seq: int) -> Work:
         return completed(self, "broadcast", seq, t)
 
-    def _alltoall(self, t: torch.Tensor, seq: int) -> Work:
-        return completed(self, "alltoall", seq, t.clone())
+    def _alltoall(self, t: torch.Tensor, seq: int, out: Optional[torch.Tensor] = None) -> Work:
+        return completed(self, "alltoall", seq, _copy(t, out))
 
     def _barrier(self, seq: int) -> Work:
         return completed(self, "barrier", seq, None)
@@ -54,3 +54,7 @@ class SelfCommunicator(Communicator):
 
     def _close(self) -> None:
         pass
+
+
+def _copy(t: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    return t.clone() if out is None else out.copy_(t)

@@ -154,33 +154,43 @@ class TorchCommunicator(Communicator):
 
         return self._work("allreduce", seq, handle, finish)
 
-    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int) -> Work:
+    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work:
         widest = max(sizes)
         tail = tuple(t.shape[1:])
+        direct = len(set(sizes)) == 1 and not self._permuted
         send = t
         if t.shape[0] != widest:  # engines gather equal blocks: pad, then cut the padding away
             send = torch.zeros((widest, *tail), dtype=t.dtype, device=t.device)
             send[: t.shape[0]] = t
-        out = torch.empty((widest * self.size, *tail), dtype=t.dtype, device=t.device)
+        gathered = (
+            out
+            if direct and out is not None
+            else torch.empty((widest * self.size, *tail), dtype=t.dtype, device=t.device)
+        )
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        handle = gather(out, send, group=self.group, async_op=True)
+        handle = gather(gathered, send, group=self.group, async_op=True)
 
         def finish() -> torch.Tensor:
-            if len(set(sizes)) == 1 and not self._permuted:
-                return out
-            return torch.cat([out[self._slot[r] * widest :][:n] for r, n in enumerate(sizes)])
+            if direct:
+                return gathered
+            blocks = [gathered[self._slot[r] * widest :][:n] for r, n in enumerate(sizes)]
+            return torch.cat(blocks) if out is None else torch.cat(blocks, out=out)
 
         return self._work("allgather", seq, handle, finish)
 
-    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int) -> Work:
-        out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int, out: Optional[torch.Tensor] = None) -> Work:
+        result = (
+            out
+            if out is not None
+            else torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        )
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        handle = scatter(out, self._to_group_order(t), op=_OPS[op], group=self.group, async_op=True)
+        handle = scatter(result, self._to_group_order(t), op=_OPS[op], group=self.group, async_op=True)
 
         def finish() -> torch.Tensor:
             if op == "avg":
-                out.div_(self.size)
-            return out
+                result.div_(self.size)
+            return result
 
         return self._work("reduce_scatter", seq, handle, finish)
 
@@ -188,10 +198,15 @@ class TorchCommunicator(Communicator):
         handle = dist.broadcast(t, src=self._peer(root), group=self.group, async_op=True)
         return self._work("broadcast", seq, handle, lambda: t)
 
-    def _alltoall(self, t: torch.Tensor, seq: int) -> Work:
-        out = torch.empty_like(t)
-        handle = dist.all_to_all_single(out, self._to_group_order(t), group=self.group, async_op=True)
-        return self._work("alltoall", seq, handle, lambda: self._from_group_order(out))
+    def _alltoall(self, t: torch.Tensor, seq: int, out: Optional[torch.Tensor] = None) -> Work:
+        received = out if out is not None and not self._permuted else torch.empty_like(t)
+        handle = dist.all_to_all_single(received, self._to_group_order(t), group=self.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            result = self._from_group_order(received)
+            return result if out is None or result is out else out.copy_(result)
+
+        return self._work("alltoall", seq, handle, finish)
 
     def _barrier(self, seq: int) -> Work:
         handle = dist.barrier(group=self.group, async_op=True)

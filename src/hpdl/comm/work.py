@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Generic, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, TypeVar
 
 if TYPE_CHECKING:
     from hpdl.comm.base import Communicator
@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 __all__ = ["Work"]
 
 T = TypeVar("T")
+_NOTHING = object()
 
 # MPI engines move large messages only while a process is inside a call, so a
 # waiting rank keeps calling test() at full speed, as a blocking MPI call
@@ -26,8 +27,11 @@ def poll_until(test: Callable[[], bool], deadline: float) -> bool:
         return True
     spin_end = time.perf_counter() + SPIN_SECONDS
     while True:
-        if test():
-            return True
+        # The engine advances a transfer inside each test(): keep the loop bare and
+        # read the clock only every 64 tests.
+        for _ in range(64):
+            if test():
+                return True
         now = time.perf_counter()
         if now >= deadline:
             return test()
@@ -38,12 +42,16 @@ def poll_until(test: Callable[[], bool], deadline: float) -> bool:
 class Work(Generic[T]):
     """An operation in flight. `wait()` returns its result, or raises within the timeout.
 
-    `test` says whether the engine has finished; `finish` turns the finished
-    engine buffers into the result (copy back, cast, divide) exactly once.
+    `test` says whether the engine has finished; `finish` (optional) turns
+    the finished engine buffers into the result (copy back, cast, divide)
+    exactly once. Operations in place return the caller's object instead
+    (`returns`).
     `block`, when given, waits in the engine itself for at most the given
     seconds and says whether it finished (used where the engine can do so
     without holding the GIL).
     """
+
+    __slots__ = ("_comm", "op", "seq", "_test", "_finish", "_block", "_done", "_result", "_returns", "_started")
 
     def __init__(
         self,
@@ -51,7 +59,7 @@ class Work(Generic[T]):
         op: str,
         seq: int,
         test: Callable[[], bool],
-        finish: Callable[[], T],
+        finish: Optional[Callable[[], T]] = None,
         block: Optional[Callable[[float], bool]] = None,
     ):
         self._comm = comm
@@ -62,7 +70,19 @@ class Work(Generic[T]):
         self._block = block
         self._done = False
         self._result: Optional[T] = None
-        self._started = time.perf_counter()
+        self._returns: Any = _NOTHING
+        self._started = time.perf_counter() if comm.tracer is not None else 0.0
+
+    def returns(self, value: Any) -> Work:
+        """Make `wait()` return `value` (the caller's own object, for operations in place)."""
+        self._returns = value
+        return self
+
+    def then(self, fn: Callable[[Any], Any]) -> Work:
+        """Make `wait()` return `fn(result)`."""
+        inner = self._finish
+        self._finish = (lambda: fn(inner())) if inner is not None else (lambda: fn(None))
+        return self
 
     def is_completed(self) -> bool:
         """True once the operation finished (does not wait)."""
@@ -72,6 +92,8 @@ class Work(Generic[T]):
 
     def wait(self, timeout: Optional[float] = None) -> T:
         """Wait for completion and return the result; raise `CommTimeoutError` after `timeout` seconds."""
+        if not self._done and self._test():  # finished already: the common case for small messages
+            self._complete()
         if not self._done:
             limit = self._comm.timeout if timeout is None else timeout
             deadline = time.perf_counter() + limit
@@ -85,9 +107,11 @@ class Work(Generic[T]):
         return self._result  # type: ignore[return-value]
 
     def _complete(self) -> None:
-        self._result = self._finish()
+        result = self._finish() if self._finish is not None else None
+        self._result = result if self._returns is _NOTHING else self._returns
         self._done = True
-        self._comm._trace_op(self.op, self._started)
+        if self._started:
+            self._comm._trace_op(self.op, self._started)
 
 
 def completed(comm: Communicator, op: str, seq: int, result: T) -> Work[T]:
