@@ -8,6 +8,7 @@ methods), each returning a `Work` handle.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import sys
@@ -98,7 +99,7 @@ class Communicator(ABC):
         """Reduce `tensor` across ranks in place and return it (ops: sum, avg, max, min, prod)."""
         t = self._tensor_arg(tensor, "allreduce")
         check_reduce_op(op, t.dtype, "allreduce")
-        seq = self._begin("allreduce", t, op)
+        seq = self._begin("allreduce", t, f"op={op}")
         work = self._allreduce(t, op, seq)
         if async_op:
             return work.returns(tensor)
@@ -345,16 +346,15 @@ class Communicator(ABC):
 
     def _exchange_sizes(self, t: torch.Tensor, seq: int) -> list[int]:
         """Every rank's dim-0 size, checking that the other dims agree (one small allgather)."""
-        row = t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel())
-        mine = torch.tensor([[t.shape[0], row]], dtype=torch.int64)
-        table = self._allgather(mine, [1] * self.size, seq).wait().reshape(self.size, 2)
-        rows = table[:, 1].tolist()
+        mine = torch.tensor([[t.shape[0], math.prod(t.shape[1:])]], dtype=torch.int64)
+        table = self._allgather(mine, [1] * self.size, seq).wait().view(-1).tolist()
+        dims, rows = table[0::2], table[1::2]
         if len(set(rows)) > 1:
             raise ValueError(
                 f"allgather: ranks pass tensors whose non-leading dims differ (elements per row by rank: "
                 f"{rows}); only dim 0 may differ between ranks"
             )
-        return [int(n) for n in table[:, 0].tolist()]
+        return dims
 
     def _finish(self, work: Work, original: Any, async_op: bool, in_place: bool) -> Any:
         if in_place:

@@ -11,6 +11,7 @@ wait can time out.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from typing import Any, Callable, Optional
 
@@ -132,7 +133,7 @@ class WindowBoard(ProgressBoard):
 
     def __init__(self, comm: Any):
         self._comm = comm
-        self._win = MPI.Win.Allocate(16, 8, comm=comm)
+        self._win = MPI.Win.Allocate(4096, 8, comm=comm)
         self._mine = np.frombuffer(self._win.tomemory(), dtype=np.int64)  # type: ignore[call-overload]
         self._mine[:] = 0
         self._win.Lock_all()
@@ -222,7 +223,7 @@ class MpiCommunicator(Communicator):
 
     def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work:
         host = self._host(t)
-        row = int(torch.Size(t.shape[1:]).numel())
+        row = math.prod(t.shape[1:])
         out_host = _output(out, host, (sum(sizes), *t.shape[1:]), t.dtype)
         dtype = _move_type(t, "allgather")
         if len(set(sizes)) == 1:
