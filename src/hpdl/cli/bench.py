@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 __all__ = ["add_parser"]
 
-KINDS = ("comm",)
+KINDS = {"comm": "hpdl.bench.comm", "train": "hpdl.bench.train"}
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser(
-        "bench", help="side-by-side benchmarks (comm)", description="Run a benchmark; see `hpdl bench comm --help`."
+        "bench",
+        help="side-by-side benchmarks (comm, train)",
+        description="Run a benchmark; see `hpdl bench comm --help`, `hpdl bench train --help`.",
     )
-    parser.add_argument("kind", choices=KINDS, help="which benchmark")
+    parser.add_argument("kind", choices=sorted(KINDS), help="which benchmark")
     parser.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     parser.set_defaults(handler=run)
 
 
 def run(options: argparse.Namespace) -> int:
-    from hpdl.bench import comm
-
-    return comm.launch(list(options.options))
+    module = importlib.import_module(KINDS[options.kind])
+    return int(module.launch(list(options.options)))

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
-from hpdl.cli import bench, info, launch
+from hpdl.cli import bench, demo, info, launch
 
 __all__ = ["main"]
 
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_parser(subparsers)
     info.add_parser(subparsers)
     bench.add_parser(subparsers)
+    demo.add_parser(subparsers)
     return parser
 
 
