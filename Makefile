@@ -17,11 +17,11 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/hpdl bench comm --quick
+	$(BIN)/hpdl demo
 
 lint: install
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
 
 typecheck: install
 	$(BIN)/mypy

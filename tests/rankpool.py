@@ -52,7 +52,7 @@ class RankPool:
         self.backend = backend
         self.nprocs = nprocs
         key = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=64)
         host, port = self._listener.address
         child_env = dict(os.environ, OMP_NUM_THREADS="1", HPDL_BACKEND=backend, **(env or {}))
         child_env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, child_env.get("PYTHONPATH", "")])
@@ -83,12 +83,16 @@ class RankPool:
             raise TimeoutError(f"{backend} pool of {nprocs} did not start within {START_TIMEOUT} s:\n{self.output()}")
 
     def _accept_all(self) -> None:
-        try:
-            for _ in range(self.nprocs):
+        accepted = 0
+        while accepted < self.nprocs:
+            try:
                 conn = self._listener.accept()
                 self._conns[conn.recv()] = conn
-        except OSError:
-            pass  # the listener was closed because the start timed out
+                accepted += 1
+            except OSError as exc:
+                if not self.alive:
+                    return  # the listener was closed because the start timed out
+                print(f"rank pool: a connection failed ({exc!r}); waiting for the next", file=sys.stderr)
 
     def run(self, body: Callable[..., Any], *args: Any, timeout: float = 60.0, expect_errors: bool = False) -> list:
         """Run `body(comm, *args)` on every rank; return the results ordered by rank.
@@ -125,7 +129,8 @@ class RankPool:
 
     def output(self) -> str:
         for log in self._logs:
-            log.flush()
+            if not log.closed:
+                log.flush()
         with open(self._log_path) as handle:
             return handle.read()[-6000:]
 

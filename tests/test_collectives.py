@@ -13,13 +13,28 @@ import torch
 
 from collective_data import ALL_DTYPES, LARGE, SIZES, expected_reduce, make_input, ops_for
 
-GROUPS = [("self", 1), ("mpi", 2), ("mpi", 3), ("torch", 2), ("torch", 3)]
+# Every message takes the shared-memory path (thresholds at zero) ...
+SHM = {"HPDL_SHM_MIN_ALLREDUCE": "0", "HPDL_SHM_MIN_REDUCE_SCATTER": "0"}
+SHM.update({"HPDL_SHM_MIN_ALLGATHER": "0", "HPDL_SHM_MIN_BROADCAST": "0", "HPDL_SHM_MB": "0.25"})
+# ... and on 4 ranks cut into two virtual nodes of 2, the hierarchical allreduce.
+HIERARCHICAL = dict(SHM, HPDL_RANKS_PER_NODE="2")
+GROUPS = [
+    ("self", 1, None),
+    ("mpi", 2, None),
+    ("mpi", 3, None),
+    ("torch", 2, None),
+    ("torch", 3, None),
+    ("mpi", 2, SHM),
+    ("mpi", 3, SHM),
+    ("mpi", 4, HIERARCHICAL),
+]
+NAMES = {None: "", id(SHM): "-shm", id(HIERARCHICAL): "-hier"}
 
 
-@pytest.fixture(params=GROUPS, ids=[f"{b}-{k}" for b, k in GROUPS])
+@pytest.fixture(params=GROUPS, ids=[f"{b}-{k}{NAMES[env and id(env)]}" for b, k, env in GROUPS])
 def group(request, ranks):
-    backend, nprocs = request.param
-    return ranks(backend, nprocs)
+    backend, nprocs, env = request.param
+    return ranks(backend, nprocs, env)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

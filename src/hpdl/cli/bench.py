@@ -10,7 +10,7 @@ __all__ = ["add_parser"]
 KINDS = {"comm": "hpdl.bench.comm", "train": "hpdl.bench.train"}
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="side-by-side benchmarks (comm, train)",
@@ -18,9 +18,8 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     )
     parser.add_argument("kind", choices=sorted(KINDS), help="which benchmark")
     parser.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
-    parser.set_defaults(handler=run)
 
 
-def run(options: argparse.Namespace) -> int:
-    module = importlib.import_module(KINDS[options.kind])
-    return int(module.launch(list(options.options)))
+def run_argv(kind: str, argv: list[str]) -> int:
+    module = importlib.import_module(KINDS[kind])
+    return int(module.launch(argv))

@@ -23,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    options = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    # `demo` and `bench KIND` parse their own options (and print their own --help).
+    if args[:1] == ["demo"]:
+        return demo.run_argv(args[1:])
+    if args[:1] == ["bench"] and len(args) > 1 and args[1] in bench.KINDS:
+        return bench.run_argv(args[1], args[2:])
+    options = parser.parse_args(args)
     if not getattr(options, "handler", None):
         parser.print_help()
         return 2

@@ -275,6 +275,17 @@ class Communicator(ABC):
             self._children.append(child)
         return child
 
+    def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A 1-D tensor that collectives can reduce without copying it in (zero-copy buckets).
+
+        On the mpi backend with several ranks per node it lives in a window
+        of shared memory that the node's ranks read directly; elsewhere it
+        is ordinary memory. Collective: every rank calls it with the same
+        arguments in the same order.
+        """
+        self._check_open("shared_buffer")
+        return torch.empty(numel, dtype=dtype)
+
     def close(self) -> None:
         """Release engine resources of this communicator and its sub-communicators."""
         if self._closed:

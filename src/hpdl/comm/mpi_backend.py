@@ -18,9 +18,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from hpdl.comm import shm
 from hpdl.comm.base import Communicator, env_flag
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
-from hpdl.comm.work import Work, poll_until
+from hpdl.comm.work import Work, completed, poll_until
 from hpdl.errors import BackendUnavailableError
 
 try:
@@ -181,6 +182,63 @@ class MpiCommunicator(Communicator):
         self.mpi_comm = mpi_comm
         self.cuda_aware = cuda_aware()
         self._progress = WindowBoard(mpi_comm)
+        self._node: Optional[shm.NodeCollectives] = None
+        self._cross: Any = None
+        self.shm_status = "not started (starts with the first collective above its size threshold)"
+
+    # Shared memory inside the node (see shm.py): started at the first large collective,
+    # which every rank reaches with the same size, so the collective set-up is reached together.
+    def _shared_memory(self, op: str, nbytes: int) -> Optional[shm.NodeCollectives]:
+        """The node's shared-memory engine when `op` of `nbytes` should use it (the same answer on every rank)."""
+        with_buffers, ordinary = shm.thresholds(op)
+        if nbytes < with_buffers:
+            return None
+        if nbytes < ordinary and (self._node is None or not self._node.has_buffers):
+            return None
+        if self._node is None and self.shm_status.startswith("not started"):
+            self._start_shared_memory()
+        if self._node is None or (self._cross is not None and op != "allreduce"):
+            return None  # across nodes only the allreduce is hierarchical; the rest stay with MPI
+        return self._node
+
+    def _start_shared_memory(self) -> None:
+        self.shm_status = "starting"  # the set-up's own small collectives go through MPI
+        node = node_comm(self.mpi_comm)
+        local = node.Get_size()
+        extremes = torch.tensor([local, -local], dtype=torch.int64)
+        self._allreduce(extremes, "max", -1).wait()
+        if not shm.enabled():
+            self.shm_status = "off (HPDL_SHM=0): plain MPI"
+        elif local == 1:
+            self.shm_status = "off: one rank on this node, plain MPI"
+        elif int(extremes[0]) != -int(extremes[1]):
+            self.shm_status = "off: nodes hold different numbers of ranks, plain MPI"
+        else:
+            members = node.Get_group().Translate_ranks(list(range(local)), self.mpi_comm.Get_group())
+            try:
+                self._node = shm.NodeCollectives(node, members, lambda: self.timeout, self.__repr__)
+            except MPI.Exception as exc:
+                self.shm_status = f"off: shared window could not be allocated ({exc}), plain MPI"
+            else:
+                nodes = self.size // local
+                if nodes > 1:
+                    self._cross = self.mpi_comm.Split(node.Get_rank(), self.rank)
+                self.shm_status = f"on: {local} ranks per node share {self._node.segment >> 20} MB each" + (
+                    f"; hierarchical allreduce across {nodes} nodes" if nodes > 1 else ""
+                )
+                return
+        node.Free()
+
+    def _across_nodes(self, t: torch.Tensor, op: str) -> None:
+        """Allreduce one node-reduced slice among the ranks with this local rank on every node."""
+        request = self._cross.Iallreduce(MPI.IN_PLACE, _buffer(t, _move_type(t, "allreduce")), _reduce_op(t, op))
+        Work(self, "allreduce (across nodes)", self._seq, request.Test).wait()
+
+    def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        node = self._shared_memory("allreduce", shm.NEVER)
+        if node is None:
+            return super().shared_buffer(numel, dtype)
+        return node.shared_buffer(numel, dtype)
 
     @property
     def engine(self) -> str:
@@ -202,6 +260,11 @@ class MpiCommunicator(Communicator):
         return Work(self, op, seq, request.Test, finish)
 
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
+        if t.is_cpu and (node := self._shared_memory("allreduce", t.numel() * t.element_size())):
+            node.allreduce(t, op, self._across_nodes if self._cross is not None else None)
+            if op == "avg":
+                t.div_(self.size)
+            return completed(self, "allreduce", seq, t)
         if t.is_cpu and t.dtype in _NATIVE:  # the common case, kept short: it runs for every bucket
             request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, [_memory(t), _NATIVE[t.dtype]], _OPS[op])
             average = (lambda: t.div_(self.size)) if op == "avg" else None
@@ -222,6 +285,11 @@ class MpiCommunicator(Communicator):
         return self._work("allreduce", seq, request, finish)
 
     def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work:
+        total = sum(sizes) * math.prod(t.shape[1:]) * t.element_size()
+        if t.is_cpu and (node := self._shared_memory("allgather", total)):
+            result = out if out is not None else torch.empty((sum(sizes), *t.shape[1:]), dtype=t.dtype)
+            node.allgather(t, sizes, result)
+            return completed(self, "allgather", seq, result)
         host = self._host(t)
         row = math.prod(t.shape[1:])
         out_host = _output(out, host, (sum(sizes), *t.shape[1:]), t.dtype)
@@ -236,6 +304,12 @@ class MpiCommunicator(Communicator):
         return self._work("allgather", seq, request, lambda: _deliver(out_host, out, t.device))
 
     def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int, out: Optional[torch.Tensor] = None) -> Work:
+        if t.is_cpu and (node := self._shared_memory("reduce_scatter", t.numel() * t.element_size())):
+            result = out if out is not None else torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype)
+            node.reduce_scatter(t, op, result)
+            if op == "avg":
+                result.div_(self.size)
+            return completed(self, "reduce_scatter", seq, result)
         host = self._host(t)
         wire = host.float() if t.dtype in _HALF else host
         result = _output(out, wire, (t.shape[0] // self.size, *t.shape[1:]), wire.dtype)
@@ -252,6 +326,9 @@ class MpiCommunicator(Communicator):
         return self._work("reduce_scatter", seq, request, finish)
 
     def _broadcast(self, t: torch.Tensor, root: int, seq: int) -> Work:
+        if t.is_cpu and (node := self._shared_memory("broadcast", t.numel() * t.element_size())):
+            node.broadcast(t, root)
+            return completed(self, "broadcast", seq, t)
         host = self._host(t)
         request = self.mpi_comm.Ibcast(_buffer(host, _move_type(t, "broadcast")), root=root)
         return self._work("broadcast", seq, request, lambda: _copy_back(t, host))
@@ -291,6 +368,11 @@ class MpiCommunicator(Communicator):
         self._exit_barrier()
         if self._broken:
             return  # collectives may be pending; freeing would wait on them
+        if self._node is not None:
+            self._node.close()
+            self._node.node.Free()
+        if self._cross is not None:
+            self._cross.Free()
         self._progress.close()
         if self.mpi_comm != MPI.COMM_WORLD:
             self.mpi_comm.Free()

@@ -1,0 +1,366 @@
+"""Shared-memory collectives inside a node, and hierarchical allreduce across nodes.
+
+MPICH's own shared-memory `Allreduce` moves a 64 MB buffer between two ranks
+at a fraction of memory bandwidth. Here the ranks of a node map each other's
+buffers through an MPI-3 shared window (`MPI_Win_allocate_shared` on the
+`MPI_COMM_TYPE_SHARED` communicator) and do the work with plain memory
+operations:
+
+    1. every rank copies its input into its own segment (no copy when the
+       tensor already lives in a window: `Communicator.shared_buffer`);
+    2. rank i reduces slice i across all segments, in place in its segment
+       (reading the other ranks' memory directly);
+    3. every rank copies the reduced slices into its output.
+
+Between the phases the ranks meet at a flag barrier in shared memory: each
+rank publishes a phase counter and waits, with the communicator's timeout,
+until every rank of the node has reached it, so no rank overwrites a slice
+before every rank has read it, and a missing rank is named in the error.
+Across nodes (`HierarchicalAllreduce`), step 2 is followed by an MPI
+allreduce of each slice among the ranks with the same local rank, so every
+local rank drives its own slice over the network in parallel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from hpdl.errors import CommTimeoutError
+
+__all__: list[str] = []
+
+DEFAULT_SEGMENT_MB = 32.0
+"""Staging memory per rank (HPDL_SHM_MB); larger tensors go through it in pieces."""
+
+_MB = 1024 * 1024
+# Smallest message (bytes) that takes the shared-memory path, per operation:
+# (when shared buffers are in use, for any tensor) and (for ordinary tensors,
+# which must first be copied in). Chosen from measurements on 2 ranks of a
+# 2-core VM with MPICH 5.0.2: below them MPICH's own algorithms are as fast or
+# faster; copying in costs as much as MPICH's allgather and broadcast save,
+# so those stay with MPICH unless the data already lives in a window.
+# HPDL_SHM_MIN_<OP>=bytes overrides both numbers of one operation.
+NEVER = 1 << 62
+DEFAULT_THRESHOLDS = {
+    "allreduce": (1 * _MB, 48 * _MB),
+    "reduce_scatter": (1 * _MB, 64 * _MB),
+    "allgather": (1 * _MB, NEVER),
+    "broadcast": (1 * _MB, NEVER),
+}
+
+_FLAG_STRIDE = 8  # int64 per rank: one 64-byte cache line each, so flags never share a line
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def enabled() -> bool:
+    return os.environ.get("HPDL_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def segment_bytes() -> int:
+    text = os.environ.get("HPDL_SHM_MB", str(DEFAULT_SEGMENT_MB))
+    try:
+        megabytes = float(text)
+    except ValueError:
+        raise ValueError(f"HPDL_SHM_MB={text!r} must be a number of megabytes") from None
+    if megabytes <= 0:
+        raise ValueError(f"HPDL_SHM_MB={text!r} must be positive")
+    return int(megabytes * 1024 * 1024) // 64 * 64
+
+
+def thresholds(op: str) -> tuple[int, int]:
+    """(smallest size with shared buffers in use, smallest size for ordinary tensors), in bytes."""
+    text = os.environ.get(f"HPDL_SHM_MIN_{op.upper()}")
+    if text is None:
+        return DEFAULT_THRESHOLDS[op]
+    try:
+        return int(text), int(text)
+    except ValueError:
+        raise ValueError(f"HPDL_SHM_MIN_{op.upper()}={text!r} must be a number of bytes") from None
+
+
+def _views(win: Any, size: int) -> list[torch.Tensor]:
+    """Every rank's part of a shared window, as uint8 tensors in this process's address space."""
+    views = []
+    for rank in range(size):
+        memory, _ = win.Shared_query(rank)
+        array = np.frombuffer(memory, dtype=np.uint8) if memory.nbytes else np.empty(0, np.uint8)
+        views.append(torch.from_numpy(array))
+    return views
+
+
+def _combine(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+    """acc <- acc (op) other, elementwise and in place."""
+    if acc.dtype == torch.bool:
+        if op in ("sum", "max"):
+            torch.logical_or(acc, other, out=acc)
+        else:
+            torch.logical_and(acc, other, out=acc)
+    elif op in ("sum", "avg"):
+        acc.add_(other)
+    elif op == "max":
+        torch.maximum(acc, other.to(acc.dtype), out=acc)
+    elif op == "min":
+        torch.minimum(acc, other.to(acc.dtype), out=acc)
+    else:
+        acc.mul_(other)
+
+
+def _bounds(count: int, parts: int, index: int) -> tuple[int, int]:
+    """Slice `index` of `count` elements cut into `parts` nearly equal slices."""
+    base, extra = divmod(count, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
+
+
+class SharedBuffer:
+    """A tensor in a shared window, and the same region in every other rank of the node."""
+
+    def __init__(self, win: Any, peers: list[torch.Tensor]):
+        self.win = win
+        self.peers = peers
+
+
+class NodeCollectives:
+    """Collectives among the ranks of one node through shared memory.
+
+    `ranks` maps node-local ranks to the owning communicator's ranks (for
+    error messages); `timeout` returns the communicator's current timeout.
+    """
+
+    def __init__(self, node: Any, ranks: list[int], timeout: Callable[[], float], describe: Callable[[], str]):
+        from mpi4py import MPI
+
+        self.node = node
+        self.local_rank = node.Get_rank()
+        self.local_size = node.Get_size()
+        self.ranks = ranks
+        self._timeout = timeout
+        self._describe = describe
+        self.segment = segment_bytes()
+        self._flag_win = MPI.Win.Allocate_shared(8 * _FLAG_STRIDE, 8, comm=node)
+        self._flag_win.Lock_all()
+        # Per rank, one cache line: [phase, data's shared buffer (-1: staging), element offset, ...].
+        self._descriptors = [view.view(torch.int64) for view in _views(self._flag_win, self.local_size)]
+        self._flags = [descriptor[0:1] for descriptor in self._descriptors]
+        self._descriptors[self.local_rank].zero_()
+        self._stage_win = MPI.Win.Allocate_shared(self.segment, 64, comm=node)
+        self._stage_win.Lock_all()
+        self._stage = _views(self._stage_win, self.local_size)
+        self._buffers: list[SharedBuffer] = []
+        self._phase = 0
+        node.Barrier()  # every flag is zero before anyone waits on it
+
+    # ------------------------------------------------------------------ synchronisation
+    def _sync(self, what: str) -> None:
+        """Flag barrier: publish this rank's phase, wait (bounded) until every rank of the node reached it."""
+        self._phase += 1
+        mark = self._phase
+        self._stage_win.Sync()  # data written before the flag is visible before the flag
+        self._flags[self.local_rank].fill_(mark)
+        self._flag_win.Sync()
+        flags = self._flags
+        deadline = 0.0
+        spins = 0
+        while True:
+            if all(int(flag) >= mark for flag in flags):
+                break
+            spins += 1
+            if spins % 256 == 0:
+                now = time.perf_counter()
+                if deadline == 0.0:
+                    deadline = now + self._timeout()
+                elif now > deadline:
+                    self._raise_timeout(what, mark)
+                if spins > 100_000:
+                    time.sleep(0.0002)  # a straggler, not a transfer: stop burning the core
+            self._flag_win.Sync()
+        self._stage_win.Sync()  # what the others wrote before their flags is visible now
+
+    def _raise_timeout(self, what: str, mark: int) -> None:
+        missing = [self.ranks[i] for i, flag in enumerate(self._flags) if int(flag) < mark]
+        names = ", ".join(str(r) for r in missing)
+        raise CommTimeoutError(
+            f"{what} (shared memory) did not complete within {self._timeout():.1f} s on rank "
+            f"{self.ranks[self.local_rank]} ({self._describe()}): rank(s) {names} of this node did not reach "
+            "the same phase. Every rank must call the same collectives in the same order; a rank that died "
+            "or is stuck elsewhere is the usual cause.",
+            op=what,
+            missing=tuple(missing),
+        )
+
+    # ------------------------------------------------------------------ zero-copy buffers
+    def shared_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor living in a new shared window (collective over the node: same arguments everywhere)."""
+        from mpi4py import MPI
+
+        self._sync("shared_buffer")  # bounded: allocating the window would wait for a missing rank forever
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        win = MPI.Win.Allocate_shared(max(numel * itemsize, 1), 64, comm=self.node)
+        peers = [view[: numel * itemsize].view(dtype) for view in _views(win, self.local_size)]
+        self._buffers.append(SharedBuffer(win, peers))
+        return peers[self.local_rank]
+
+    @property
+    def has_buffers(self) -> bool:
+        """Whether shared buffers exist (created collectively, so every rank agrees)."""
+        return bool(self._buffers)
+
+    def _locate(self, t: torch.Tensor) -> tuple[int, int]:
+        """(buffer index, element offset) of `t` inside this rank's shared buffers, or (-1, 0)."""
+        address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        for index, buffer in enumerate(self._buffers):
+            mine = buffer.peers[self.local_rank]
+            start = mine.data_ptr()
+            if (
+                mine.dtype == t.dtype
+                and start <= address
+                and address + nbytes <= start + mine.numel() * t.element_size()
+            ):
+                return index, (address - start) // t.element_size()
+        return -1, 0
+
+    def _publish(self, t: torch.Tensor) -> bool:
+        """Say where this rank's data lives for the coming operation; True when it is zero-copy."""
+        index, offset = self._locate(t)
+        self._descriptors[self.local_rank][1] = index
+        self._descriptors[self.local_rank][2] = offset
+        return index >= 0
+
+    def _sources(self, dtype: torch.dtype, start: int, count: int) -> list[torch.Tensor]:
+        """Every rank's data for elements [start, start + count) of the operation (read after the first sync)."""
+        sources = []
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        for rank in range(self.local_size):
+            index, offset = int(self._descriptors[rank][1]), int(self._descriptors[rank][2])
+            if index < 0:
+                sources.append(self._stage[rank][: count * itemsize].view(dtype))
+            else:
+                sources.append(self._sources_of(index, rank, dtype)[offset + start : offset + start + count])
+        return sources
+
+    def _chunk(self, dtype: torch.dtype) -> int:
+        """Elements per piece: what a rank's staging segment holds (the same on every rank)."""
+        return max(self.segment // torch.empty(0, dtype=dtype).element_size(), 1)
+
+    def _stage_in(self, zero_copy: bool, piece: torch.Tensor) -> None:
+        if not zero_copy:
+            self._stage[self.local_rank][: piece.numel() * piece.element_size()].view(piece.dtype).copy_(piece)
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, t: torch.Tensor, op: str, across: Optional[Callable[[torch.Tensor, str], None]] = None) -> None:
+        """Reduce `t` in place across the node (sum for avg: the caller divides), then `across` nodes.
+
+        Each piece: inputs visible (staged or in place) -> rank i reduces slice i
+        into its own source -> every rank copies the reduced slices it lacks.
+        """
+        flat = t.view(-1)
+        zero_copy = self._publish(flat)
+        step = self._chunk(t.dtype)
+        for start in range(0, max(flat.numel(), 1), step):
+            piece = flat[start : start + step]
+            self._stage_in(zero_copy, piece)
+            self._sync("allreduce: inputs")
+            sources = self._sources(t.dtype, start, piece.numel())
+            lo, hi = _bounds(piece.numel(), self.local_size, self.local_rank)
+            mine = sources[self.local_rank][lo:hi]
+            acc = mine.float() if t.dtype in _HALF else mine  # 16-bit floats accumulate in float32
+            for offset in range(1, self.local_size):
+                _combine(acc, sources[(self.local_rank + offset) % self.local_size][lo:hi], op)
+            if across is not None:
+                across(acc, op)
+            if acc is not mine:
+                mine.copy_(acc)
+            self._sync("allreduce: reduced slices")
+            for rank in range(self.local_size):
+                if rank != self.local_rank or not zero_copy:
+                    a, b = _bounds(piece.numel(), self.local_size, rank)
+                    piece[a:b].copy_(sources[rank][a:b])
+            self._sync("allreduce: results read")
+
+    def reduce_scatter(self, t: torch.Tensor, op: str, out: torch.Tensor) -> None:
+        """This rank's block of dim 0 of the node-wide reduction of `t`, into `out` (sum for avg)."""
+        flat, result = t.view(-1), out.view(-1)
+        block = result.numel()
+        zero_copy = self._publish(flat)
+        step = max(self._chunk(t.dtype) // self.local_size, 1)
+        for start in range(0, max(block, 1), step):
+            width = min(step, block - start)
+            if not zero_copy:  # stage the same columns of every block: [block 0 part | block 1 part | ...]
+                staged = self._stage[self.local_rank][: width * self.local_size * t.element_size()]
+                staged.view(t.dtype).view(self.local_size, width).copy_(
+                    flat.view(self.local_size, block)[:, start : start + width]
+                )
+            self._sync("reduce_scatter: inputs")
+            target = result[start : start + width]
+            parts = [self._block_part(rank, t.dtype, block, width, start) for rank in range(self.local_size)]
+            acc = parts[self.local_rank].float() if t.dtype in _HALF else target
+            if acc is target:
+                target.copy_(parts[self.local_rank])
+            for offset in range(1, self.local_size):
+                _combine(acc, parts[(self.local_rank + offset) % self.local_size], op)
+            if acc is not target:
+                target.copy_(acc)
+            self._sync("reduce_scatter: inputs read")
+
+    def _block_part(self, rank: int, dtype: torch.dtype, block: int, width: int, start: int) -> torch.Tensor:
+        """Rank `rank`'s copy of this rank's block, elements [start, start + width) of it."""
+        index, offset = int(self._descriptors[rank][1]), int(self._descriptors[rank][2])
+        if index < 0:
+            staged = self._stage[rank][: width * self.local_size * torch.empty(0, dtype=dtype).element_size()]
+            return staged.view(dtype).view(self.local_size, width)[self.local_rank]
+        begin = offset + self.local_rank * block + start
+        return self._sources_of(index, rank, dtype)[begin : begin + width]
+
+    def _sources_of(self, index: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        peer = self._buffers[index].peers[rank]
+        if peer.dtype != dtype:
+            raise ValueError(
+                f"shared-memory collective: node rank {rank} passes a shared buffer of dtype {peer.dtype}, "
+                f"this rank {dtype}; every rank must pass the same kind of tensor"
+            )
+        return peer
+
+    def allgather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> None:
+        """Every rank's `t` (dim-0 sizes `sizes`) concatenated into `out`."""
+        row = math.prod(t.shape[1:])
+        counts = [n * row for n in sizes]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        flat, result = t.reshape(-1), out.view(-1)
+        zero_copy = self._publish(flat)
+        step = self._chunk(t.dtype)
+        for start in range(0, max(max(counts), 1), step):
+            self._stage_in(zero_copy, flat[start : start + max(min(step, counts[self.local_rank] - start), 0)])
+            self._sync("allgather: inputs")
+            for rank in range(self.local_size):
+                width = max(min(step, counts[rank] - start), 0)
+                if width and (rank != self.local_rank or result.data_ptr() != flat.data_ptr()):
+                    source = self._sources(t.dtype, start, width)[rank]
+                    result[starts[rank] + start : starts[rank] + start + width].copy_(source)
+            self._sync("allgather: inputs read")
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        """Copy `root`'s (node-local rank) tensor into every rank's `t`."""
+        flat = t.view(-1)
+        zero_copy = self._publish(flat)
+        step = self._chunk(t.dtype)
+        for start in range(0, max(flat.numel(), 1), step):
+            piece = flat[start : start + step]
+            if self.local_rank == root:
+                self._stage_in(zero_copy, piece)
+            self._sync("broadcast: input")
+            if self.local_rank != root:
+                piece.copy_(self._sources(t.dtype, start, piece.numel())[root])
+            self._sync("broadcast: input read")
+
+    def close(self) -> None:
+        for buffer in self._buffers:
+            buffer.win.Free()
+        for win in (self._stage_win, self._flag_win):
+            win.Unlock_all()
+            win.Free()

@@ -1,0 +1,153 @@
+"""The shared-memory path on MPI: zero-copy buffers, mixed callers, stress, fallbacks and failures.
+
+The whole collective suite (test_collectives.py) already runs through the
+shared-memory and hierarchical paths with their thresholds at zero; this
+file covers what only this path has.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from collective_data import expected_reduce, make_input
+
+FORCED = {
+    "HPDL_SHM_MIN_ALLREDUCE": "0",
+    "HPDL_SHM_MIN_REDUCE_SCATTER": "0",
+    "HPDL_SHM_MIN_ALLGATHER": "0",
+    "HPDL_SHM_MIN_BROADCAST": "0",
+    "HPDL_SHM_MB": "0.0625",  # 64 KB of staging per rank: every larger tensor goes through in pieces
+}
+
+
+def zero_copy(comm, mixed):
+    """Collectives on tensors that live in shared windows (or, with `mixed`, only on even ranks)."""
+    out = {}
+    shared = mixed is False or comm.rank % 2 == 0
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (comm.size * 3, comm.size * 13_333):
+            values = make_input(comm.rank, n, dtype)
+            window = comm.shared_buffer(n, dtype)  # collective: every rank makes one
+            x = window if shared else torch.empty(n, dtype=dtype)
+            x.copy_(values)
+            out[("allreduce", str(dtype), n)] = comm.allreduce(x).clone()
+            x.copy_(values)
+            scattered = comm.reduce_scatter(x)
+            out[("reduce_scatter", str(dtype), n)] = scattered
+            x.copy_(values)
+            out[("allgather", str(dtype), n)] = comm.allgather(x, sizes=[n] * comm.size)
+            out[("broadcast", str(dtype), n)] = comm.broadcast(x, root=comm.size - 1).clone()
+    return comm.shm_status, out
+
+
+@pytest.mark.parametrize("nprocs,mixed", [(2, False), (3, True)])
+def test_shared_buffers_zero_copy_and_mixed(ranks, nprocs, mixed):
+    results = ranks("mpi", nprocs, FORCED).run(zero_copy, mixed)
+    for rank, (status, out) in enumerate(results):
+        assert status.startswith("on:"), status
+        for (op, dtype_name, n), value in out.items():
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            full = expected_reduce(nprocs, n, dtype, "sum")
+            if op == "allreduce":
+                expected = full
+            elif op == "reduce_scatter":
+                expected = full[rank * n // nprocs : (rank + 1) * n // nprocs]
+            elif op == "allgather":
+                expected = torch.cat([make_input(r, n, dtype) for r in range(nprocs)])
+            else:
+                expected = make_input(nprocs - 1, n, dtype)
+            assert torch.equal(value, expected), (op, dtype_name, n)
+
+
+def stress(comm, seed, rounds):
+    """Back-to-back and overlapping asynchronous collectives with random sizes and kinds, in one order."""
+    rng = random.Random(seed)  # the same sequence on every rank
+    checks = 0
+    for _ in range(rounds):
+        kind = rng.choice(["allreduce", "async-pair", "reduce_scatter", "allgather", "broadcast", "shared"])
+        n = rng.choice([1, 7, 1000, 20_000, 70_000]) * comm.size
+        x = torch.full((n,), float(comm.rank + 1))
+        total = comm.size * (comm.size + 1) / 2
+        if kind == "allreduce":
+            ok = bool((comm.allreduce(x) == total).all())
+        elif kind == "async-pair":
+            y = torch.full((n // comm.size,), 2.0 * (comm.rank + 1))
+            first, second = comm.allreduce(x, async_op=True), comm.allreduce(y, op="max", async_op=True)
+            ok = bool((second.wait() == 2.0 * comm.size).all()) and bool((first.wait() == total).all())
+        elif kind == "reduce_scatter":
+            ok = bool((comm.reduce_scatter(x) == total).all())
+        elif kind == "allgather":
+            g = comm.allgather(x[: n // comm.size])
+            ok = g.view(comm.size, -1)[:, 0].tolist() == [float(r + 1) for r in range(comm.size)]
+        elif kind == "broadcast":
+            root = rng.randrange(comm.size)
+            ok = bool((comm.broadcast(x, root=root) == root + 1).all())
+        else:
+            z = comm.shared_buffer(n)
+            z.fill_(comm.rank + 1)
+            ok = bool((comm.allreduce(z) == total).all())
+        if not ok:
+            return f"wrong result in round {checks} ({kind}, {n} elements)"
+        checks += 1
+    return checks
+
+
+@pytest.mark.parametrize("nprocs,env", [(2, FORCED), (4, dict(FORCED, HPDL_RANKS_PER_NODE="2"))])
+def test_stress_random_sizes_and_orders(ranks, nprocs, env):
+    started = time.monotonic()
+    results = ranks("mpi", nprocs, env).run(stress, 7, 60, timeout=120)
+    assert results == [60] * nprocs
+    assert time.monotonic() - started < 120
+
+
+def status(comm):
+    comm.allreduce(torch.ones(10))
+    return comm.shm_status
+
+
+def test_falls_back_to_plain_mpi_with_one_rank_per_node(ranks):
+    statuses = ranks("mpi", 2, dict(FORCED, HPDL_RANKS_PER_NODE="1")).run(status)
+    assert all(s.startswith("off: one rank on this node") for s in statuses), statuses
+
+
+def test_switched_off_by_environment(ranks):
+    statuses = ranks("mpi", 2, dict(FORCED, HPDL_SHM="0")).run(status)
+    assert all(s.startswith("off (HPDL_SHM=0)") for s in statuses), statuses
+
+
+def test_hierarchical_status_names_the_nodes(ranks):
+    statuses = ranks("mpi", 4, dict(FORCED, HPDL_RANKS_PER_NODE="2")).run(status)
+    assert all("hierarchical allreduce across 2 nodes" in s for s in statuses), statuses
+
+
+DIES = """
+import os, sys, torch, hpdl
+comm = hpdl.init(timeout=5)
+x = torch.ones(100_000)
+comm.allreduce(x)               # shared memory is up
+if comm.rank == 1:
+    os._exit(7)                 # dies between collectives, without a word
+comm.allreduce(x)               # rank 0 waits at the shared-memory flags
+"""
+
+
+def test_rank_that_dies_mid_collective_ends_the_others_within_the_timeout(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "hpdl.cli.main", "launch", "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **FORCED),
+    )
+    assert done.returncode != 0
+    assert time.monotonic() - started < 30, done.stderr
