@@ -11,8 +11,10 @@ import hpdl
 def main() -> None:
     host, port, key = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
     comm = hpdl.init()
+    print(f"rank worker {comm.rank}: initialised ({comm.backend})", file=sys.stderr, flush=True)
     conn = Client((host, port), authkey=key)
     conn.send(comm.rank)
+    print(f"rank worker {comm.rank}: connected", file=sys.stderr, flush=True)
     while True:
         kind, body, args = pickle.loads(conn.recv_bytes())
         if kind == "exit":

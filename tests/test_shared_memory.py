@@ -151,3 +151,29 @@ def test_rank_that_dies_mid_collective_ends_the_others_within_the_timeout(tmp_pa
     )
     assert done.returncode != 0
     assert time.monotonic() - started < 30, done.stderr
+
+
+def default_thresholds(comm):
+    """Between the two thresholds only all-zero-copy calls take shared memory; mixed calls agree on MPI."""
+    n = 1 << 19  # 2 MB of float32: above the zero-copy threshold, below the one for ordinary tensors
+    window = comm.shared_buffer(n)
+    window.fill_(comm.rank + 1)
+    before = comm._node._phase
+    comm.allreduce(window)
+    shared_phases = comm._node._phase - before
+    plain = torch.full((n,), float(comm.rank + 1))
+    before = comm._node._phase
+    comm.allreduce(plain)
+    plain_phases = comm._node._phase - before
+    mixed = window if comm.rank == 0 else plain
+    mixed.fill_(comm.rank + 1)
+    comm.allreduce(mixed)
+    return shared_phases, plain_phases, float(window[0]), float(plain[-1]), float(mixed.sum()) / n
+
+
+def test_default_thresholds_agree_on_one_path(ranks):
+    total = 3.0
+    for shared_phases, plain_phases, shared, plain, mixed in ranks("mpi", 2).run(default_thresholds):
+        assert shared_phases == 4  # agreement + the three phases of the shared-memory allreduce
+        assert plain_phases == 1  # agreement only: the ordinary tensor went through MPI
+        assert shared == total and plain == total and mixed == total

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -22,7 +23,7 @@ from hpdl.comm import shm
 from hpdl.comm.base import Communicator, env_flag
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
 from hpdl.comm.work import Work, completed, poll_until
-from hpdl.errors import BackendUnavailableError
+from hpdl.errors import BackendUnavailableError, CommTimeoutError
 
 try:
     from mpi4py import MPI
@@ -132,20 +133,25 @@ def _reduce_op(t: torch.Tensor, op: str) -> Any:
 class WindowBoard(ProgressBoard):
     """Progress posted into an MPI window; read with one-sided gets that need no help from the target."""
 
-    def __init__(self, comm: Any):
+    def __init__(self, comm: Any, timeout: float):
         self._comm = comm
         self._win = MPI.Win.Allocate(4096, 8, comm=comm)
         self._mine = np.frombuffer(self._win.tomemory(), dtype=np.int64)  # type: ignore[call-overload]
         self._mine[:] = 0
         self._win.Lock_all()
+        # Lock_all may need answers from the other ranks, which only come while they
+        # are inside MPI: keep everyone in a (bounded) barrier until all locks are held.
+        if not poll_until(comm.Ibarrier().Test, time.perf_counter() + timeout):
+            raise CommTimeoutError(
+                f"hpdl.init: the {comm.Get_size()} ranks did not all start within {timeout:.0f} s "
+                "(a rank failed before hpdl.init, or the launcher started fewer ranks than it announced)"
+            )
 
     def post(self, seq: int, op: str) -> None:
         self._mine[0] = seq
         self._mine[1] = OP_CODES.get(op, 0)
 
     def read(self, timeout: float) -> list[State]:
-        import time
-
         deadline = time.perf_counter() + timeout
         size = self._comm.Get_size()
         out = np.zeros((size, 2), dtype=np.int64)
@@ -181,17 +187,22 @@ class MpiCommunicator(Communicator):
         node.Free()
         self.mpi_comm = mpi_comm
         self.cuda_aware = cuda_aware()
-        self._progress = WindowBoard(mpi_comm)
+        self._progress = WindowBoard(mpi_comm, timeout)
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
         self.shm_status = "not started (starts with the first collective above its size threshold)"
 
     # Shared memory inside the node (see shm.py): started at the first large collective,
     # which every rank reaches with the same size, so the collective set-up is reached together.
-    def _shared_memory(self, op: str, nbytes: int) -> Optional[shm.NodeCollectives]:
-        """The node's shared-memory engine when `op` of `nbytes` should use it (the same answer on every rank)."""
+    def _shared_memory(self, op: str, nbytes: int, t: torch.Tensor) -> Optional[shm.NodeCollectives]:
+        """The node's shared-memory engine when `op` on `t` should use it (the same answer on every rank).
+
+        Ordinary tensors of at least the larger threshold always go through it
+        (copied in); between the thresholds only when every rank's tensor is
+        already in a shared window (zero copy), which the ranks agree on first.
+        """
         with_buffers, ordinary = shm.thresholds(op)
-        if nbytes < with_buffers:
+        if nbytes < with_buffers or not t.is_cpu:
             return None
         if nbytes < ordinary and (self._node is None or not self._node.has_buffers):
             return None
@@ -199,6 +210,8 @@ class MpiCommunicator(Communicator):
             self._start_shared_memory()
         if self._node is None or (self._cross is not None and op != "allreduce"):
             return None  # across nodes only the allreduce is hierarchical; the rest stay with MPI
+        if nbytes < ordinary and not self._node.all_zero_copy(t):
+            return None
         return self._node
 
     def _start_shared_memory(self) -> None:
@@ -235,7 +248,7 @@ class MpiCommunicator(Communicator):
         Work(self, "allreduce (across nodes)", self._seq, request.Test).wait()
 
     def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        node = self._shared_memory("allreduce", shm.NEVER)
+        node = self._shared_memory("allreduce", shm.NEVER, torch.empty(0))
         if node is None:
             return super().shared_buffer(numel, dtype)
         return node.shared_buffer(numel, dtype)
@@ -260,7 +273,7 @@ class MpiCommunicator(Communicator):
         return Work(self, op, seq, request.Test, finish)
 
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
-        if t.is_cpu and (node := self._shared_memory("allreduce", t.numel() * t.element_size())):
+        if node := self._shared_memory("allreduce", t.numel() * t.element_size(), t):
             node.allreduce(t, op, self._across_nodes if self._cross is not None else None)
             if op == "avg":
                 t.div_(self.size)
@@ -286,7 +299,7 @@ class MpiCommunicator(Communicator):
 
     def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work:
         total = sum(sizes) * math.prod(t.shape[1:]) * t.element_size()
-        if t.is_cpu and (node := self._shared_memory("allgather", total)):
+        if node := self._shared_memory("allgather", total, t):
             result = out if out is not None else torch.empty((sum(sizes), *t.shape[1:]), dtype=t.dtype)
             node.allgather(t, sizes, result)
             return completed(self, "allgather", seq, result)
@@ -304,7 +317,7 @@ class MpiCommunicator(Communicator):
         return self._work("allgather", seq, request, lambda: _deliver(out_host, out, t.device))
 
     def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int, out: Optional[torch.Tensor] = None) -> Work:
-        if t.is_cpu and (node := self._shared_memory("reduce_scatter", t.numel() * t.element_size())):
+        if node := self._shared_memory("reduce_scatter", t.numel() * t.element_size(), t):
             result = out if out is not None else torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype)
             node.reduce_scatter(t, op, result)
             if op == "avg":
@@ -326,7 +339,7 @@ class MpiCommunicator(Communicator):
         return self._work("reduce_scatter", seq, request, finish)
 
     def _broadcast(self, t: torch.Tensor, root: int, seq: int) -> Work:
-        if t.is_cpu and (node := self._shared_memory("broadcast", t.numel() * t.element_size())):
+        if node := self._shared_memory("broadcast", t.numel() * t.element_size(), t):
             node.broadcast(t, root)
             return completed(self, "broadcast", seq, t)
         host = self._host(t)

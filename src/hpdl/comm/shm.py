@@ -232,6 +232,12 @@ class NodeCollectives:
         self._descriptors[self.local_rank][2] = offset
         return index >= 0
 
+    def all_zero_copy(self, t: torch.Tensor) -> bool:
+        """Whether every rank's `t` lives in a shared buffer (one flag barrier; the same answer everywhere)."""
+        self._publish(t)
+        self._sync("shared-memory path agreement")
+        return all(int(descriptor[1]) >= 0 for descriptor in self._descriptors)
+
     def _sources(self, dtype: torch.dtype, start: int, count: int) -> list[torch.Tensor]:
         """Every rank's data for elements [start, start + count) of the operation (read after the first sync)."""
         sources = []

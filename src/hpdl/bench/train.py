@@ -1,0 +1,402 @@
+"""`hpdl bench train --strategy dp`: whole training steps of hpdl DataParallel beside PyTorch DDP, in one launch.
+
+Contenders, on the same ranks, data, initial model and optimizer, alternating
+per round (A B C D E A B C D E ...) so that drift on a shared machine hits
+them alike:
+
+    hpdl-mpi      hpdl.parallel.DataParallel over hpdl.init("mpi")   (mpi4py)
+    hpdl-gloo     hpdl.parallel.DataParallel over hpdl.init("torch") (gloo)
+    ddp-gloo      torch.nn.parallel.DistributedDataParallel on gloo (its defaults)
+    independent   every rank trains its own model, no communication (the ceiling)
+    single        rank 0 alone, the other ranks asleep (the scaling reference)
+
+A step is the whole step: forward, loss, backward (with the gradient
+allreduce), optimizer (SGD with momentum); synthetic data already in memory
+(no data loading). Weak scaling: the per-rank batch is fixed, the global
+batch grows with the ranks. Exposed communication = a contender's step time
+minus `independent`'s (the same compute with no communication).
+
+Run it with `hpdl bench train [--strategy dp] [-n 2] [--quick]` (this
+module's `launch`), which starts `mpiexec -n N python -m hpdl.bench.train --worker ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from hpdl.bench import report
+from hpdl.bench.comm import _positive, _say, _stop, _worker_environment, find_mpiexec
+
+__all__ = ["launch", "main"]
+
+CONTENDERS = ("hpdl-mpi", "hpdl-gloo", "ddp-gloo", "independent", "single")
+MODELS = {"mlp": 64, "cnn": 32}
+"""Model name -> per-rank batch."""
+TARGET_VS_DDP = 1.10
+FLOOR_VS_DDP = 1.0
+LR = 0.01
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one run measures; every field is printed in the header and stored in each JSON record."""
+
+    strategy: str = "dp"
+    ranks: int = 2
+    quick: bool = False
+    out: str = "bench-results/train"
+    models: tuple[str, ...] = ("mlp", "cnn")
+    rounds: int = 7
+    """Timed rounds; each round times every contender once."""
+    steps: int = 10
+    """Training steps per timed sample."""
+    warmup: int = 5
+    """Untimed steps per contender before the first round."""
+    bucket_mb: float = 25.0
+    timeout: float = 1200.0
+    worker: bool = False
+
+    def forwarded(self) -> list[str]:
+        args = ["--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
+        args += ["--steps", str(self.steps), "--bucket-mb", str(self.bucket_mb), "--models", *self.models]
+        return args + (["--quick"] if self.quick else [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpdl bench train",
+        description="Samples/s of whole training steps: hpdl DataParallel (MPI, gloo) beside PyTorch DDP (gloo), "
+        "independent processes (ceiling) and one process (scaling reference), alternating in one launch.",
+    )
+    parser.add_argument("--strategy", default="dp", choices=["dp"], help="parallel strategy (dp: data parallel)")
+    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="MPI processes (default 2)")
+    parser.add_argument("--quick", action="store_true", help="few rounds and steps (a smoke test, seconds)")
+    parser.add_argument("--out", default="bench-results/train", help="output folder (default bench-results/train)")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="models (default: mlp cnn)")
+    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
+    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 10)")
+    parser.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="hpdl bucket size (default 25)")
+    parser.add_argument("--timeout", type=_positive(float), default=1200.0, help="stop the job after this many s")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse(argv: Sequence[str]) -> Options:
+    parser = build_parser()
+    ns = parser.parse_args(list(argv))
+    if ns.ranks < 2:
+        parser.error(f"-n {ns.ranks}: data parallelism needs at least 2 ranks")
+    quick = bool(ns.quick)
+    return Options(
+        strategy=ns.strategy,
+        ranks=ns.ranks,
+        quick=quick,
+        out=ns.out,
+        models=tuple(ns.models or ("mlp", "cnn")),
+        rounds=ns.rounds or (2 if quick else 7),
+        steps=ns.steps or (2 if quick else 10),
+        warmup=1 if quick else 5,
+        bucket_mb=ns.bucket_mb,
+        timeout=ns.timeout,
+        worker=bool(ns.worker),
+    )
+
+
+def launch(argv: list[str]) -> int:
+    """Start the benchmark under mpiexec (the one beside this Python) and return its exit code."""
+    try:
+        options = parse(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 0
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        return _say("hpdl bench train: no mpiexec beside this Python or on PATH; `pip install mpich`", 127)
+    command = [mpiexec, "-n", str(options.ranks), sys.executable, "-m", "hpdl.bench.train", *options.forwarded()]
+    print("hpdl bench train: " + " ".join(command), flush=True)
+    process = subprocess.Popen(command, env=_worker_environment())
+    try:
+        return process.wait(timeout=options.timeout)
+    except subprocess.TimeoutExpired:
+        _stop(process)
+        return _say(f"hpdl bench train: stopped after --timeout {options.timeout:g} s", 124)
+    except KeyboardInterrupt:
+        _stop(process)
+        raise
+
+
+# --------------------------------------------------------------------------- models and contenders
+def build_model(name: str) -> Any:
+    from torch import nn
+
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+
+
+def make_batches(name: str, batch: int, rank: int, count: int = 4) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    shape = (batch, 784) if name == "mlp" else (batch, 3, 32, 32)
+    return [(torch.randn(shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(count)]
+
+
+@dataclass
+class Contender:
+    name: str
+    model: Any
+    optimizer: Any
+    sync: Callable[[], Any]
+    """The engine's own barrier before a sample."""
+    active: bool = True
+    """False on ranks that only wait (single: every rank but 0)."""
+    steps_done: int = 0
+    last_loss: float = float("nan")
+
+
+def make_contenders(name: str, mpi: Any, gloo: Any, bucket_mb: float) -> list[Contender]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hpdl.parallel import DataParallel
+
+    def fresh() -> Any:
+        torch.manual_seed(0)
+        return build_model(name)
+
+    def sgd(model: Any) -> Any:
+        return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+    def gloo_barrier() -> None:
+        dist.barrier()
+
+    def mpi_barrier() -> None:
+        mpi.barrier()
+
+    out = []
+    for contender in CONTENDERS:
+        model: Any
+        if contender == "hpdl-mpi":
+            model = DataParallel(fresh(), mpi, bucket_mb=bucket_mb)
+        elif contender == "hpdl-gloo":
+            model = DataParallel(fresh(), gloo, bucket_mb=bucket_mb)
+        elif contender == "ddp-gloo":
+            model = DistributedDataParallel(fresh())
+        else:
+            model = fresh()
+        # single: the idle ranks wait in gloo's barrier, which sleeps (an MPI barrier would spin on a core)
+        sync = mpi_barrier if contender == "hpdl-mpi" else gloo_barrier
+        out.append(Contender(contender, model, sgd(model), sync, active=contender != "single" or mpi.rank == 0))
+    return out
+
+
+def run_steps(c: Contender, batches: list, steps: int) -> None:
+    import torch.nn.functional as F
+
+    for _ in range(steps):
+        x, y = batches[c.steps_done % len(batches)]
+        c.optimizer.zero_grad()
+        loss = F.cross_entropy(c.model(x), y)
+        loss.backward()
+        c.optimizer.step()
+        c.steps_done += 1
+    c.last_loss = float(loss.detach())
+
+
+def measure_model(name: str, options: Options, mpi: Any, gloo: Any) -> list[dict[str, Any]]:
+    import torch
+
+    batch = MODELS[name]
+    batches = make_batches(name, batch, mpi.rank)
+    contenders = make_contenders(name, mpi, gloo, options.bucket_mb)
+    for c in contenders:  # warm up: allocation, first-touch, engine connections
+        c.sync()
+        if c.active:
+            run_steps(c, batches, options.warmup)
+        c.sync()
+    times = np.zeros((len(contenders), options.rounds))
+    for r in range(options.rounds):
+        for i, c in enumerate(contenders):
+            c.sync()
+            start = time.perf_counter()
+            if c.active:
+                run_steps(c, batches, options.steps)
+            times[i, r] = time.perf_counter() - start
+            c.sync()
+    mpi_world = mpi.mpi_comm
+    from mpi4py import MPI
+
+    mpi_world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a sample lasts until its slowest rank finishes
+    reference = [p.detach() for p in contenders[CONTENDERS.index("ddp-gloo")].model.module.parameters()]
+    losses = np.array([c.last_loss for c in contenders])
+    records = []
+    for i, c in enumerate(contenders):
+        ranks = 1 if c.name == "single" else mpi.size
+        samples = [batch * ranks * options.steps / t for t in times[i]]
+        stats = report.summarize(samples)
+        module = getattr(c.model, "module", c.model)
+        diff = None
+        if c.name in ("hpdl-mpi", "hpdl-gloo", "ddp-gloo"):
+            diff = max(float((a - b).abs().max()) for a, b in zip(module.parameters(), reference))
+        records.append(
+            {
+                "model": name,
+                "contender": c.name,
+                "ranks": ranks,
+                "batch_per_rank": batch,
+                "global_batch": batch * ranks,
+                "steps_per_sample": options.steps,
+                "samples_per_s": stats,
+                "step_ms": float(np.median(times[i])) / options.steps * 1e3,
+                "loss": float(losses[i]),
+                "max_param_diff_vs_ddp": diff,
+                "params": sum(p.numel() for p in module.parameters()),
+                "dtype": str(torch.get_default_dtype()).replace("torch.", ""),
+            }
+        )
+    return records
+
+
+# --------------------------------------------------------------------------- report
+def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
+    rows, verdicts = [], []
+    for model in dict.fromkeys(r["model"] for r in records):
+        mine = {r["contender"]: r for r in records if r["model"] == model}
+        ddp = mine["ddp-gloo"]["samples_per_s"]["median"]
+        single = mine["single"]["samples_per_s"]["median"]
+        ceiling = mine["independent"]
+        for name, r in mine.items():
+            s = r["samples_per_s"]
+            r["vs_ddp"] = s["median"] / ddp
+            r["scaling_efficiency"] = s["median"] / (single * r["ranks"]) if name != "single" else 1.0
+            r["of_ceiling"] = s["median"] / ceiling["samples_per_s"]["median"]
+            exposed = r["step_ms"] - ceiling["step_ms"] if name not in ("independent", "single") else None
+            r["exposed_comm_ms"] = exposed
+            rows.append(
+                [
+                    model,
+                    name,
+                    s["median"],
+                    f"{s['min']:.0f}-{s['max']:.0f}",
+                    r["vs_ddp"],
+                    r["scaling_efficiency"],
+                    r["of_ceiling"],
+                    r["step_ms"],
+                    exposed,
+                    r["loss"],
+                    r["max_param_diff_vs_ddp"],
+                ]
+            )
+        ratio = mine["hpdl-mpi"]["vs_ddp"]
+        verdict = "PASS" if ratio >= TARGET_VS_DDP else "MISS"
+        verdicts.append(f"{verdict} {model}: hpdl-mpi {ratio:.2f}x DDP's samples/s (target >= {TARGET_VS_DDP}x)")
+        for name in ("hpdl-mpi", "hpdl-gloo"):
+            low = mine[name]["vs_ddp"]
+            verdicts.append(
+                f"{'PASS' if low >= FLOOR_VS_DDP else 'MISS'} {model}: {name} {low:.2f}x DDP (never below 1.0x)"
+            )
+    return rows, verdicts
+
+
+HEADERS = [
+    "model",
+    "contender",
+    "samples/s (median)",
+    "min-max",
+    "vs DDP",
+    "scaling eff.",
+    "of ceiling",
+    "step ms",
+    "exposed comm ms",
+    "loss",
+    "max |param diff| vs DDP",
+]
+
+
+def write_report(options: Options, records: list[dict[str, Any]], config: dict[str, Any], elapsed: float) -> None:
+    rows, verdicts = analyse(records)
+    table = report.markdown_table(HEADERS, rows, right_align_from=2)
+    header = (
+        f"hpdl bench train --strategy {options.strategy}: {options.ranks} ranks, OMP_NUM_THREADS=1, "
+        f"MPI {config['mpi_engine']}, torch {config['torch_version']}, bucket {options.bucket_mb} MB, "
+        f"{options.rounds} rounds x {options.steps} steps, SGD momentum 0.9, float32, weak scaling "
+        f"(mlp 784-1024-1024-10 batch {MODELS['mlp']}/rank, cnn 3x32x32 batch {MODELS['cnn']}/rank)"
+    )
+    notes = [
+        "samples/s = global batch x steps / sample time (slowest rank); min-max over rounds.",
+        "scaling eff. = samples/s / (ranks x single's samples/s); of ceiling = vs independent (no communication).",
+        "exposed comm ms = step time - independent's step time (the same compute without communication).",
+        "loss = the last step's loss on rank 0; DDP-equivalent contenders train the same trajectory.",
+        "Horovod: not importable here, so no column.",
+    ]
+    text = "\n".join(
+        ["# hpdl bench train", "", header, "", table, "", *[f"- {n}" for n in notes], "", "## Targets", ""]
+        + [f"- {v}" for v in verdicts]
+    )
+    os.makedirs(options.out, exist_ok=True)
+    with open(os.path.join(options.out, "train.md"), "w") as handle:
+        handle.write(text + "\n")
+    report.write_records(os.path.join(options.out, "train.json"), records, config)
+    print(text)
+    print(f"\nwrote {options.out}/train.md and train.json in {elapsed:.0f} s")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
+    options = parse(sys.argv[1:] if argv is None else argv)
+    if not options.worker:
+        return launch(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    import hpdl
+
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    mpi = hpdl.init("mpi", timeout=300.0, debug=False)
+    gloo = hpdl.init("torch", timeout=300.0, debug=False)
+    if mpi.rank == 0:
+        print(f"hpdl bench train: {mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
+    records = []
+    for name in options.models:
+        records += measure_model(name, options, mpi, gloo)
+    if mpi.rank == 0:
+        config = report.environment(
+            benchmark="train",
+            strategy=options.strategy,
+            quick=options.quick,
+            world_ranks=mpi.size,
+            rounds=options.rounds,
+            bucket_mb=options.bucket_mb,
+            mpi_engine=mpi.engine,
+            gloo_engine=gloo.engine,
+            optimizer="SGD(lr=0.01, momentum=0.9)",
+            ddp="DistributedDataParallel defaults (bucket_cap_mb=25)",
+        )
+        write_report(options, records, config, time.perf_counter() - started)
+    mpi.barrier()
+    hpdl.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""`hpdl demo`: train a small CNN on scikit-learn's digits with data parallelism, and write a report.
+
+`launch(argv)` (what `hpdl demo` calls) starts N ranks (default 2) of
+`python -m hpdl.train.demo --worker ...` under the mpiexec beside this
+Python (or as torch.distributed processes with `--backend torch`), one
+thread each, and returns the job's exit code. Each worker trains the same
+CNN wrapped in `hpdl.parallel.DataParallel` on its shard of the training
+set, rank 0 draws the progress bar, and at the end rank 0 prints the test
+accuracy and throughput and writes `summary.json`, `loss.png` and
+`timeline.json` into the report folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+__all__ = ["launch", "build_model", "load_digits_split", "main"]
+
+DEFAULT_OUT = os.path.join("bench-results", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpdl demo",
+        description="Train a small CNN on scikit-learn's digits (8x8 images, 10 classes) on N ranks with "
+        "hpdl.parallel.DataParallel; print test accuracy and samples/s; write a report folder.",
+    )
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default {DEFAULT_OUT})")
+    parser.add_argument("--epochs", type=_positive, default=12, help="training epochs (default 12)")
+    parser.add_argument("-n", "--ranks", type=_positive, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--backend", choices=("mpi", "torch"), default="mpi", help="communication backend (mpi)")
+    parser.add_argument("--batch-size", type=_positive, default=32, help="samples per rank per step (default 32)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate for 32 samples a step (0.05)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split, the model and the shuffling (0)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute precision (fp32)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="stop the job after this many seconds (600)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return value
+
+
+# --------------------------------------------------------------------------- launcher
+def launch(argv: list[str]) -> int:
+    """Start the demo on `--ranks` ranks and return its exit code (0 on success)."""
+    if argv[:1] == ["--"]:  # `hpdl demo -- --epochs 3` passes the separator through
+        argv = argv[1:]
+    try:
+        options = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0) and usage errors (2): return the code, do not exit the caller
+        return stop.code if isinstance(stop.code, int) else 0
+    forwarded = [a for a in argv if a != "--worker"]
+    worker = [sys.executable, "-u", "-m", "hpdl.runtime.run_rank", "-m", "hpdl.train.demo", "--worker", *forwarded]
+    env = _worker_environment(options.backend)
+    start = time.perf_counter()
+    if options.backend == "mpi":
+        mpiexec = _find_mpiexec()
+        if mpiexec is None:
+            print(
+                "hpdl demo: no mpiexec beside this Python or on PATH; `pip install mpich`, or use --backend torch",
+                file=sys.stderr,
+            )
+            return 127
+        children = [subprocess.Popen([mpiexec, "-n", str(options.ranks), *worker], env=env)]
+    else:
+        from hpdl.runtime.environment import free_port
+
+        port = str(free_port())
+        children = [
+            subprocess.Popen(
+                worker,
+                env=dict(
+                    env,
+                    RANK=str(r),
+                    WORLD_SIZE=str(options.ranks),
+                    LOCAL_RANK=str(r),
+                    LOCAL_WORLD_SIZE=str(options.ranks),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                ),
+            )
+            for r in range(options.ranks)
+        ]
+    try:
+        code = _supervise(children, options.timeout)
+    except KeyboardInterrupt:
+        _stop(children)
+        return 130
+    if code == 124:
+        print(f"hpdl demo: stopped after --timeout {options.timeout:g} s", file=sys.stderr)
+    elif code == 0:
+        print(f"hpdl demo: finished in {time.perf_counter() - start:.1f} s (with start-up); report in {options.out}")
+    return code
+
+
+def _supervise(children: list[subprocess.Popen], timeout: float) -> int:
+    """Wait for every process; the first failure (or the timeout) stops the rest."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [child.poll() for child in children]
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed:
+            _stop(children)
+            return failed[0] if failed[0] > 0 else 128 - failed[0]
+        if all(code == 0 for code in codes):
+            return 0
+        if time.monotonic() > deadline:
+            _stop(children)
+            return 124
+        time.sleep(0.05)
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _find_mpiexec() -> Optional[str]:
+    import shutil
+
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def _worker_environment(backend: str) -> dict[str, str]:
+    """One thread per rank, hpdl importable, the backend chosen, and no launcher variables from an outer job."""
+    import hpdl
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PMI_", "PMIX_", "TORCHELASTIC_", "OMPI_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    env["HPDL_BACKEND"] = backend
+    source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# --------------------------------------------------------------------------- the job
+def build_model() -> Any:
+    """A small CNN for 1x8x8 digits: two 3x3 convolutions, a 2x2 max-pool, two linear layers (~41k parameters)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
+def load_digits_split(seed: int = 0, test_size: float = 0.25) -> tuple[Any, Any, Any, Any]:
+    """scikit-learn's bundled digits as float tensors (N, 1, 8, 8) in [0, 1], split stratified with `seed`."""
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype("float32")[:, None, :, :]
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, digits.target, test_size=test_size, stratify=digits.target, random_state=seed
+    )
+    return (
+        torch.from_numpy(x_train),
+        torch.from_numpy(y_train).long(),
+        torch.from_numpy(x_test),
+        torch.from_numpy(y_test).long(),
+    )
+
+
+def worker(options: argparse.Namespace) -> int:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import hpdl
+    from hpdl.parallel import DataParallel
+    from hpdl.train import DistributedSampler, Trainer, WarmupSchedule
+
+    started = time.perf_counter()
+    comm = hpdl.init(options.backend)
+    torch.manual_seed(options.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(options.seed)
+    train_set, test_set = TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
+    sampler = DistributedSampler(len(train_set), comm, shuffle=True, seed=options.seed)
+    train_loader = DataLoader(train_set, batch_size=options.batch_size, sampler=sampler)
+    test_loader = DataLoader(
+        test_set, batch_size=256, sampler=DistributedSampler(len(test_set), comm, shuffle=False, pad=False)
+    )
+    model = DataParallel(build_model(), comm)
+    global_batch = options.batch_size * comm.size
+    optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9, nesterov=True)
+    steps = len(train_loader) * options.epochs
+    scheduler = WarmupSchedule.for_scaling(
+        optimizer,
+        global_batch=global_batch,
+        reference_batch=32,
+        warmup_steps=len(train_loader),
+        total_steps=steps,
+        decay="cosine",
+    )
+    os.makedirs(options.out, exist_ok=True)
+    timeline = os.path.join(options.out, "timeline.json")
+    trainer = Trainer(model, optimizer, comm=comm, scheduler=scheduler, precision=options.precision, timeline=timeline)
+    if comm.rank == 0:
+        print(
+            f"hpdl demo: digits, {len(train_set)} train / {len(test_set)} test images, CNN with "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters, {comm.size} ranks ({comm.backend}: "
+            f"{comm.engine}), batch {options.batch_size}/rank = {global_batch} global, "
+            f"lr {scheduler.base_lrs[0]:.3g} (linear scaling, 1 epoch warm-up, cosine decay), {options.epochs} epochs",
+            flush=True,
+        )
+    fit_start = time.perf_counter()
+    history = trainer.fit(train_loader, options.epochs, eval_loader=test_loader)
+    fit_seconds = time.perf_counter() - fit_start
+    final = history.epochs[-1]
+    train_seconds = sum(e["seconds"] for e in history.epochs)
+    samples = sum(e["samples"] for e in history.epochs)
+    steady = history.epochs[1:] or history.epochs
+    steady_rate = sum(e["samples"] for e in steady) / sum(e["seconds"] for e in steady)
+    if comm.rank == 0:
+        summary = {
+            "task": "digits CNN, data parallel",
+            "test_accuracy": final["eval_accuracy"],
+            "test_loss": final["eval_loss"],
+            "samples_per_s": samples / train_seconds,
+            "samples_per_s_after_first_epoch": steady_rate,
+            "train_seconds": train_seconds,
+            "fit_seconds_with_eval": fit_seconds,
+            "job_seconds": time.perf_counter() - started,
+            "losses": history.losses,
+            "epochs": history.epochs,
+            "config": _config(options, comm, global_batch, model),
+        }
+        _write_report(options.out, summary)
+        print(
+            f"test accuracy {final['eval_accuracy']:.4f} ({final['eval_samples']} images), "
+            f"{summary['samples_per_s']:,.0f} samples/s over all epochs "
+            f"({steady_rate:,.0f} after the first), training {train_seconds:.1f} s",
+            flush=True,
+        )
+        print(f"report: {', '.join(os.path.join(options.out, f) for f in REPORT_FILES)}", flush=True)
+    hpdl.finalize()
+    return 0
+
+
+REPORT_FILES = ("summary.json", "loss.png", "timeline.json")
+
+
+def _config(options: argparse.Namespace, comm: Any, global_batch: int, model: Any) -> dict[str, Any]:
+    from hpdl.bench.report import environment
+
+    env = environment()
+    env.pop("mpi_library_version_full", None)
+    return {
+        "ranks": comm.size,
+        "backend": comm.backend,
+        "engine": comm.engine,
+        "epochs": options.epochs,
+        "batch_per_rank": options.batch_size,
+        "global_batch": global_batch,
+        "base_lr_per_32": options.lr,
+        "optimizer": "SGD(momentum=0.9, nesterov) + WarmupSchedule.for_scaling(cosine)",
+        "precision": options.precision,
+        "seed": options.seed,
+        "buckets": len(model.buckets),
+        "threads_per_rank": os.environ.get("OMP_NUM_THREADS"),
+        "environment": env,
+    }
+
+
+def _write_report(out: str, summary: dict[str, Any]) -> None:
+    path = os.path.join(out, "summary.json")
+    with open(path + ".tmp", "w") as handle:
+        json.dump(summary, handle, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    _plot_losses(os.path.join(out, "loss.png"), summary)
+
+
+def _plot_losses(path: str, summary: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = summary["losses"]
+    epochs = summary["epochs"]
+    per_epoch = max(1, epochs[0]["steps"]) if epochs else 1
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.plot(range(1, len(losses) + 1), losses, linewidth=1, label="train loss (global mean per step)")
+    ax.plot(
+        [per_epoch * (i + 1) for i in range(len(epochs))],
+        [e["eval_loss"] for e in epochs],
+        marker="o",
+        markersize=3,
+        label="test loss (end of epoch)",
+    )
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    cfg = summary["config"]
+    ax.set_title(
+        f"digits CNN, {cfg['ranks']} ranks ({cfg['backend']}), global batch {cfg['global_batch']}: "
+        f"test accuracy {summary['test_accuracy']:.3f}",
+        fontsize=9,
+    )
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    options = build_parser().parse_args(args)
+    if options.worker:
+        return worker(options)
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
