@@ -155,7 +155,7 @@ def test_rank_that_dies_mid_collective_ends_the_others_within_the_timeout(tmp_pa
 
 def default_thresholds(comm):
     """Between the two thresholds only all-zero-copy calls take shared memory; mixed calls agree on MPI."""
-    n = 1 << 19  # 2 MB of float32: above the zero-copy threshold, below the one for ordinary tensors
+    n = 1 << 21  # 8 MB of float32: above the zero-copy threshold, below the one for ordinary tensors
     window = comm.shared_buffer(n)
     window.fill_(comm.rank + 1)
     before = comm._node._phase

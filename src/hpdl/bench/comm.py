@@ -1,10 +1,11 @@
 """`hpdl bench comm`: OSU-style latency and bandwidth of hpdl's collectives beside the raw engines.
 
-Four columns share one launch, one set of buffers and one schedule, and
-alternate per repetition (A B C D A B C D ...), so that drift on a shared
-machine hits them alike:
+The columns share one launch and one schedule and alternate per
+repetition, in a new (seeded) order each time, so that drift on a shared
+machine and the cost of switching engines hit them alike:
 
-    hpdl-mpi           hpdl.init("mpi")   communicator (mpi4py underneath)
+    hpdl-mpi           hpdl.init("mpi")   communicator (mpi4py underneath) on ordinary tensors
+    hpdl-mpi-shm       the same on tensors from comm.shared_buffer (zero copy into shared memory)
     hpdl-torch         hpdl.init("torch") communicator (gloo underneath)
     mpi4py             raw MPI.COMM_WORLD calls on NumPy arrays (same memory)
     torch.distributed  raw torch.distributed calls on gloo
@@ -39,7 +40,14 @@ MIB = 1 << 20
 DEFAULT_SIZES = tuple(4**k for k in range(1, 14))  # 4 B .. 64 MiB
 QUICK_SIZES = (4, KIB, 64 * KIB, MIB)
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "sendrecv")
-COLUMNS = ("hpdl-mpi", "hpdl-torch", "mpi4py", "torch.distributed")
+COLUMNS = ("hpdl-mpi", "hpdl-mpi-shm", "hpdl-torch", "mpi4py", "torch.distributed")
+SHM_OPS = ("allreduce", "allgather", "reduce_scatter")
+SEPARATE_TENSORS = (
+    "the MPI columns and the gloo columns use different tensor objects: torch.distributed marks the tensors it "
+    "has reduced, and every later torch call on such an object pays for it (measured here: a 4 KB hpdl-mpi "
+    "allreduce took 87 us on a tensor gloo had used, 25 us on a fresh view of the same memory)"
+)
+"""Operations with an hpdl-mpi-shm column: the same call on tensors from comm.shared_buffer (zero copy in)."""
 GLOO_PREFIXES = ("hpdl-torch", "torch.distributed")
 FUSION_TENSORS = 200
 FUSION_BYTES = 4 * KIB
@@ -53,8 +61,11 @@ TARGET_VS_MPI4PY_FROM = 64 * KIB
 TARGET_VS_GLOO = 0.7
 TARGET_VS_GLOO_FROM = MIB
 TARGET_FUSION = 5.0
+TARGET_SHM_64MB = 3.0
+TARGET_SHM_FROM_1MB = 1.5
 
 TIMING = (
+    "columns in a new random order every repetition (the same on every rank); "
     "per repetition and column: the column's own engine's barrier (MPI_Barrier for hpdl-mpi and mpi4py, "
     "torch.distributed.barrier for hpdl-torch and torch.distributed), then every rank times its own call with "
     "time.perf_counter(); a repetition's time is the max over ranks (send/recv: rank 0's round trip / 2; memory "
@@ -318,10 +329,13 @@ class Bench:
         reps = int(min(self.options.iters, max(self.options.min_iters, limit // float(round_time[0]))))
         times = np.zeros((len(fns), reps))
         for r in range(reps):
-            for i, (sync, fn) in enumerate(zip(syncs, fns)):
-                sync()
+            # A new order every repetition, the same on every rank (seeded by the repetition): the
+            # first call after a switch of engines pays for it, and with a fixed order (or a
+            # rotation, which keeps neighbours) the same column would always be the one that pays.
+            for i in np.random.default_rng(r).permutation(len(fns)):
+                syncs[i]()
                 start = perf_counter()
-                fn()
+                fns[i]()
                 times[i, r] = perf_counter() - start
         if reduce == "max":
             self.world.Allreduce(self.MPI.IN_PLACE, times, op=self.MPI.MAX)
@@ -338,7 +352,9 @@ class Bench:
 def allreduce_case(b: Bench, nbytes: int) -> Case:
     import torch
 
-    buf = torch.zeros(nbytes // ITEMSIZE)
+    # MPI and gloo columns get tensor objects of their own (see SEPARATE_TENSORS).
+    buf, gbuf = torch.zeros(nbytes // ITEMSIZE), torch.zeros(nbytes // ITEMSIZE)
+    shared = b.mpi.shared_buffer(nbytes // ITEMSIZE)  # collective: every rank builds the same cases
     arr = buf.numpy()
     p = b.size
 
@@ -347,19 +363,20 @@ def allreduce_case(b: Bench, nbytes: int) -> Case:
         return buf
 
     def raw_torch() -> Any:
-        b.dist.all_reduce(buf)
-        return buf
+        b.dist.all_reduce(gbuf)
+        return gbuf
 
     return Case(
         columns={
             "hpdl-mpi": lambda: b.mpi.allreduce(buf),
-            "hpdl-torch": lambda: b.gloo.allreduce(buf),
+            "hpdl-mpi-shm": lambda: b.mpi.allreduce(shared),
+            "hpdl-torch": lambda: b.gloo.allreduce(gbuf),
             "mpi4py": raw_mpi,
             "torch.distributed": raw_torch,
         },
-        fill=lambda: buf.fill_(b.rank + 1),
-        correct=lambda _: bool((buf == p * (p + 1) / 2).all()),
-        clear=buf.zero_,
+        fill=lambda: [t.fill_(b.rank + 1) for t in (buf, gbuf, shared)],
+        correct=lambda result: bool((torch.as_tensor(result) == p * (p + 1) / 2).all()),
+        clear=lambda: [t.zero_() for t in (buf, gbuf, shared)],
     )
 
 
@@ -368,6 +385,8 @@ def allgather_case(b: Bench, nbytes: int) -> Case:
 
     n, p = nbytes // ITEMSIZE, b.size
     inp, out = torch.zeros(n), torch.zeros(n * p)
+    ginp, gout = torch.zeros(n), torch.zeros(n * p)
+    shared = b.mpi.shared_buffer(n)
     inp_arr, out_arr = inp.numpy(), out.numpy()
     sizes = [n] * p
     expected = torch.arange(1, p + 1, dtype=torch.float32).repeat_interleave(n)
@@ -377,24 +396,27 @@ def allgather_case(b: Bench, nbytes: int) -> Case:
         return out
 
     def raw_torch() -> Any:
-        b.all_gather(out, inp)
-        return out
+        b.all_gather(gout, ginp)
+        return gout
 
     def fill() -> None:
-        inp.fill_(b.rank + 1)
+        for t in (inp, ginp, shared):
+            t.fill_(b.rank + 1)
         out.zero_()
+        gout.zero_()
 
     return Case(
         columns={
             # Every column writes into the same preallocated output (as the raw calls must).
             "hpdl-mpi": lambda: b.mpi.allgather(inp, sizes=sizes, out=out),
-            "hpdl-torch": lambda: b.gloo.allgather(inp, sizes=sizes, out=out),
+            "hpdl-mpi-shm": lambda: b.mpi.allgather(shared, sizes=sizes, out=out),
+            "hpdl-torch": lambda: b.gloo.allgather(ginp, sizes=sizes, out=gout),
             "mpi4py": raw_mpi,
             "torch.distributed": raw_torch,
         },
         fill=fill,
         correct=lambda result: bool(torch.equal(torch.as_tensor(result), expected)),
-        clear=lambda: [t.zero_() for t in (inp, out)],
+        clear=lambda: [t.zero_() for t in (inp, out, ginp, gout, shared)],
     )
 
 
@@ -403,6 +425,8 @@ def reduce_scatter_case(b: Bench, nbytes: int) -> Case:
 
     n, p = nbytes // ITEMSIZE, b.size
     inp, out = torch.zeros(n * p), torch.zeros(n)
+    ginp, gout = torch.zeros(n * p), torch.zeros(n)
+    shared = b.mpi.shared_buffer(n * p)
     inp_arr, out_arr = inp.numpy(), out.numpy()
     # Block j of rank q holds (q + 1) + 10 j, so rank r must end with sum_q (q + 1) + 10 r p: right sum, right block.
     want = p * (p + 1) / 2 + 10 * b.rank * p
@@ -412,30 +436,34 @@ def reduce_scatter_case(b: Bench, nbytes: int) -> Case:
         return out
 
     def raw_torch() -> Any:
-        b.reduce_scatter(out, inp)
-        return out
+        b.reduce_scatter(gout, ginp)
+        return gout
 
     def fill() -> None:
         inp.view(p, n).copy_((b.rank + 1 + 10 * torch.arange(p, dtype=torch.float32)).unsqueeze(1).expand(p, n))
+        shared.copy_(inp)
+        ginp.copy_(inp)
         out.zero_()
+        gout.zero_()
 
     return Case(
         columns={
             "hpdl-mpi": lambda: b.mpi.reduce_scatter(inp, out=out),
-            "hpdl-torch": lambda: b.gloo.reduce_scatter(inp, out=out),
+            "hpdl-mpi-shm": lambda: b.mpi.reduce_scatter(shared, out=out),
+            "hpdl-torch": lambda: b.gloo.reduce_scatter(ginp, out=gout),
             "mpi4py": raw_mpi,
             "torch.distributed": raw_torch,
         },
         fill=fill,
         correct=lambda result: bool((torch.as_tensor(result) == want).all()),
-        clear=lambda: [t.zero_() for t in (inp, out)],
+        clear=lambda: [t.zero_() for t in (inp, out, ginp, gout, shared)],
     )
 
 
 def broadcast_case(b: Bench, nbytes: int) -> Case:
     import torch
 
-    buf = torch.zeros(nbytes // ITEMSIZE)
+    buf, gbuf = torch.zeros(nbytes // ITEMSIZE), torch.zeros(nbytes // ITEMSIZE)
     arr = buf.numpy()
 
     def raw_mpi() -> Any:
@@ -443,19 +471,19 @@ def broadcast_case(b: Bench, nbytes: int) -> Case:
         return buf
 
     def raw_torch() -> Any:
-        b.dist.broadcast(buf, 0)
-        return buf
+        b.dist.broadcast(gbuf, 0)
+        return gbuf
 
     return Case(
         columns={
             "hpdl-mpi": lambda: b.mpi.broadcast(buf, 0),
-            "hpdl-torch": lambda: b.gloo.broadcast(buf, 0),
+            "hpdl-torch": lambda: b.gloo.broadcast(gbuf, 0),
             "mpi4py": raw_mpi,
             "torch.distributed": raw_torch,
         },
-        fill=lambda: buf.fill_(7.0 if b.rank == 0 else 0.0),
-        correct=lambda _: bool((buf == 7.0).all()),
-        clear=buf.zero_,
+        fill=lambda: [t.fill_(7.0 if b.rank == 0 else 0.0) for t in (buf, gbuf)],
+        correct=lambda result: bool((torch.as_tensor(result) == 7.0).all()),
+        clear=lambda: [t.zero_() for t in (buf, gbuf)],
     )
 
 
@@ -463,11 +491,11 @@ def sendrecv_case(b: Bench, nbytes: int) -> Case:
     """Ping-pong between ranks 0 and 1 (rank 0 sends first); other ranks only take part in the barriers."""
     import torch
 
-    buf = torch.zeros(nbytes // ITEMSIZE)
+    buf, gbuf = torch.zeros(nbytes // ITEMSIZE), torch.zeros(nbytes // ITEMSIZE)
     arr = buf.numpy()
     rank = b.rank
 
-    def pingpong(send: Callable[[int], Any], recv: Callable[[int], Any]) -> Column:
+    def pingpong(held: Any, send: Callable[[int], Any], recv: Callable[[int], Any]) -> Column:
         def run() -> Any:
             if rank == 0:
                 send(1)
@@ -475,20 +503,20 @@ def sendrecv_case(b: Bench, nbytes: int) -> Case:
             elif rank == 1:
                 recv(0)
                 send(0)
-            return buf
+            return held
 
         return run
 
     return Case(
         columns={
-            "hpdl-mpi": pingpong(lambda d: b.mpi.send(buf, d), lambda s: b.mpi.recv(buf, s)),
-            "hpdl-torch": pingpong(lambda d: b.gloo.send(buf, d), lambda s: b.gloo.recv(buf, s)),
-            "mpi4py": pingpong(lambda d: b.world.Send(arr, dest=d), lambda s: b.world.Recv(arr, source=s)),
-            "torch.distributed": pingpong(lambda d: b.dist.send(buf, d), lambda s: b.dist.recv(buf, s)),
+            "hpdl-mpi": pingpong(buf, lambda d: b.mpi.send(buf, d), lambda s: b.mpi.recv(buf, s)),
+            "hpdl-torch": pingpong(gbuf, lambda d: b.gloo.send(gbuf, d), lambda s: b.gloo.recv(gbuf, s)),
+            "mpi4py": pingpong(buf, lambda d: b.world.Send(arr, dest=d), lambda s: b.world.Recv(arr, source=s)),
+            "torch.distributed": pingpong(gbuf, lambda d: b.dist.send(gbuf, d), lambda s: b.dist.recv(gbuf, s)),
         },
-        fill=lambda: buf.fill_(5.0 if rank == 0 else 0.0),
-        correct=lambda _: rank > 1 or bool((buf == 5.0).all()),
-        clear=buf.zero_,
+        fill=lambda: [t.fill_(5.0 if rank == 0 else 0.0) for t in (buf, gbuf)],
+        correct=lambda result: rank > 1 or bool((torch.as_tensor(result) == 5.0).all()),
+        clear=lambda: [t.zero_() for t in (buf, gbuf)],
     )
 
 
@@ -544,13 +572,14 @@ def measure_fusion(b: Bench) -> list[dict[str, Any]]:
 
     count, n = FUSION_TENSORS, FUSION_BYTES // ITEMSIZE
     tensors = [torch.zeros(n) for _ in range(count)]
+    gtensors = [torch.zeros(n) for _ in range(count)]  # SEPARATE_TENSORS
     arrays = [t.numpy() for t in tensors]
-    flat = torch.zeros(count * n)
+    flat, gflat = torch.zeros(count * n), torch.zeros(count * n)
     flat_arr = flat.numpy()
 
-    def separate(comm: Any) -> Column:
+    def separate(comm: Any, held: list) -> Column:
         def run() -> None:
-            for t in tensors:
+            for t in held:
                 comm.allreduce(t)
 
         return run
@@ -560,30 +589,30 @@ def measure_fusion(b: Bench) -> list[dict[str, Any]]:
             b.world.Allreduce(b.MPI.IN_PLACE, a, op=b.MPI.SUM)
 
     def gloo_separate() -> None:
-        for t in tensors:
+        for t in gtensors:
             b.dist.all_reduce(t)
 
     # The raw peers bound what fusion can reach: one engine call on the packed bytes (no pack/unpack copies),
     # and the per-call cost that 200 separate raw calls pay.
     columns: dict[str, Column] = {
         "hpdl-mpi coalesced": lambda: b.mpi.allreduce_coalesced(tensors),
-        "hpdl-mpi separate": separate(b.mpi),
-        "hpdl-torch coalesced": lambda: b.gloo.allreduce_coalesced(tensors),
-        "hpdl-torch separate": separate(b.gloo),
+        "hpdl-mpi separate": separate(b.mpi, tensors),
+        "hpdl-torch coalesced": lambda: b.gloo.allreduce_coalesced(gtensors),
+        "hpdl-torch separate": separate(b.gloo, gtensors),
         "mpi4py one flat call": lambda: b.world.Allreduce(b.MPI.IN_PLACE, flat_arr, op=b.MPI.SUM),
         "mpi4py separate": raw_separate,
-        "torch.distributed one flat call": lambda: b.dist.all_reduce(flat),
+        "torch.distributed one flat call": lambda: b.dist.all_reduce(gflat),
         "torch.distributed separate": gloo_separate,
     }
     p = b.size
-    for name in ("hpdl-mpi coalesced", "hpdl-torch coalesced"):
-        for t in tensors:
+    for name, held in (("hpdl-mpi coalesced", tensors), ("hpdl-torch coalesced", gtensors)):
+        for t in held:
             t.fill_(b.rank + 1)
         b.world.Barrier()
         columns[name]()
-        if not all(bool((t == p * (p + 1) / 2).all()) for t in tensors):
+        if not all(bool((t == p * (p + 1) / 2).all()) for t in held):
             raise RuntimeError(f"fusion: {name} computed a wrong result on rank {b.rank}")
-    for t in tensors:
+    for t in tensors + gtensors:
         t.zero_()
     warmup = b.options.warmup
     samples, reps = b.alternate(columns, warmup=warmup, budget=2 * b.options.budget)
@@ -683,6 +712,7 @@ def configuration(b: Bench) -> dict[str, Any]:
         warmup=o.warmup,
         warmup_from_1mib=min(2, o.warmup),
         timing=TIMING,
+        tensors=SEPARATE_TENSORS,
         size_meaning=SIZE_MEANING,
         hpdl_mpi_engine=b.mpi.engine,
         hpdl_torch_engine=b.gloo.engine,
@@ -725,7 +755,7 @@ def op_tables(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> str:
     parts = []
     for op in OPS:
         headers = ["size"] + [f"{c} µs" for c in COLUMNS] + [f"{c} GB/s" for c in COLUMNS]
-        headers += ["hpdl-mpi/mpi4py", "hpdl-mpi/gloo", "hpdl-torch/gloo"]
+        headers += ["hpdl-mpi/mpi4py", "hpdl-mpi-shm/mpi4py", "hpdl-mpi/gloo", "hpdl-torch/gloo"]
         if op == "allreduce":
             headers += ["copy µs", "copy GB/s", "hpdl-mpi % of copy"]
         rows = []
@@ -736,6 +766,7 @@ def op_tables(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> str:
             row += ["-" if cells[c] is None else f"{cells[c]['gbps']:.3g}" for c in COLUMNS]  # type: ignore[index]
             row += [
                 _fmt_ratio(_ratio(cells["hpdl-mpi"], cells["mpi4py"])),
+                _fmt_ratio(_ratio(cells["hpdl-mpi-shm"], cells["mpi4py"])),
                 _fmt_ratio(_ratio(cells["hpdl-mpi"], cells["torch.distributed"])),
                 _fmt_ratio(_ratio(cells["hpdl-torch"], cells["torch.distributed"])),
             ]
@@ -811,6 +842,28 @@ def targets(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str
             TARGET_VS_GLOO,
         )
     )
+    for op in SHM_OPS:
+        # Ratios here are mpi4py time / hpdl-mpi-shm time: speed-ups, larger is better.
+        speedups = {n: _ratio(lat.get((op, n, "mpi4py")), lat.get((op, n, "hpdl-mpi-shm"))) for n in sizes}
+        from_1mb = [(s, n) for n, s in speedups.items() if n >= MIB and s is not None]
+        worst = min(from_1mb, default=(None, 0))
+        ok = worst[0] is not None and worst[0] >= TARGET_SHM_FROM_1MB
+        detail = ", ".join(f"{report.format_bytes(n)}: {s:.2f}x" for s, n in from_1mb)
+        lines.append(
+            f"{'PASS' if ok else 'MISS'}  {op}: hpdl-mpi-shm at least {TARGET_SHM_FROM_1MB}x faster than mpi4py "
+            f"from 1 MiB up ({detail or 'no size measured'})"
+        )
+        slower = [f"{report.format_bytes(n)}: {s:.2f}x" for n, s in speedups.items() if s is not None and s < 1.0]
+        lines.append(
+            f"{'PASS' if not slower else 'MISS'}  {op}: hpdl-mpi-shm never slower than mpi4py"
+            + (f" (slower at {', '.join(slower)})" if slower else "")
+        )
+    speedups_64 = _ratio(lat.get(("allreduce", 64 * MIB, "mpi4py")), lat.get(("allreduce", 64 * MIB, "hpdl-mpi-shm")))
+    if speedups_64 is not None:
+        lines.append(
+            f"{'PASS' if speedups_64 >= TARGET_SHM_64MB else 'MISS'}  allreduce 64 MiB: hpdl-mpi-shm at least "
+            f"{TARGET_SHM_64MB:g}x faster than mpi4py ({speedups_64:.2f}x)"
+        )
     fusion = {r["column"]: r for r in records if r["section"] == "fusion"}
     for engine in ("hpdl-mpi", "hpdl-torch"):
         speedup = _ratio(fusion.get(f"{engine} separate"), fusion.get(f"{engine} coalesced"))
@@ -841,7 +894,7 @@ def header_lines(config: Mapping[str, Any]) -> list[str]:
         "numpy_version", "python", "hpdl_version", "dtype", "sizes", "quick", "iters_max", "iters_min", "budget_s",
         "warmup", "warmup_from_1mib", "fusion_tensors", "fusion_tensor_bytes", "hpdl_fusion_mb", "debug_sizes",
         "raw_torch_allgather", "raw_torch_reduce_scatter", "load_average_start", "load_average_end", "timing",
-        "size_meaning",
+        "tensors", "size_meaning",
     )  # fmt: skip
     return [f"- {k}: {config.get(k)}" for k in keys]
 

@@ -4,11 +4,12 @@ Contenders, on the same ranks, data, initial model and optimizer, alternating
 per round (A B C D E A B C D E ...) so that drift on a shared machine hits
 them alike:
 
-    hpdl-mpi      hpdl.parallel.DataParallel over hpdl.init("mpi")   (mpi4py)
-    hpdl-gloo     hpdl.parallel.DataParallel over hpdl.init("torch") (gloo)
-    ddp-gloo      torch.nn.parallel.DistributedDataParallel on gloo (its defaults)
-    independent   every rank trains its own model, no communication (the ceiling)
-    single        rank 0 alone, the other ranks asleep (the scaling reference)
+    hpdl-mpi        hpdl.parallel.DataParallel over hpdl.init("mpi")   (mpi4py + shared memory)
+    hpdl-mpi-noshm  the same with comm.shared_memory = False (plain MPI)
+    hpdl-gloo       hpdl.parallel.DataParallel over hpdl.init("torch") (gloo)
+    ddp-gloo        torch.nn.parallel.DistributedDataParallel on gloo (its defaults)
+    independent     every rank trains its own model, no communication (the ceiling)
+    single          rank 0 alone, the other ranks asleep (the scaling reference)
 
 A step is the whole step: forward, loss, backward (with the gradient
 allreduce), optimizer (SGD with momentum); synthetic data already in memory
@@ -37,7 +38,7 @@ from hpdl.bench.comm import _positive, _say, _stop, _worker_environment, find_mp
 
 __all__ = ["launch", "main"]
 
-CONTENDERS = ("hpdl-mpi", "hpdl-gloo", "ddp-gloo", "independent", "single")
+CONTENDERS = ("hpdl-mpi", "hpdl-mpi-noshm", "hpdl-gloo", "ddp-gloo", "independent", "single")
 MODELS = {"mlp": 64, "cnn": 32}
 """Model name -> per-rank batch."""
 TARGET_VS_DDP = 1.10
@@ -198,6 +199,10 @@ def make_contenders(name: str, mpi: Any, gloo: Any, bucket_mb: float) -> list[Co
         model: Any
         if contender == "hpdl-mpi":
             model = DataParallel(fresh(), mpi, bucket_mb=bucket_mb)
+        elif contender == "hpdl-mpi-noshm":  # the same over plain MPI: what the shared-memory path buys
+            plain = mpi.split(0, mpi.rank)
+            plain.shared_memory = False
+            model = DataParallel(fresh(), plain, bucket_mb=bucket_mb)
         elif contender == "hpdl-gloo":
             model = DataParallel(fresh(), gloo, bucket_mb=bucket_mb)
         elif contender == "ddp-gloo":
@@ -205,7 +210,7 @@ def make_contenders(name: str, mpi: Any, gloo: Any, bucket_mb: float) -> list[Co
         else:
             model = fresh()
         # single: the idle ranks wait in gloo's barrier, which sleeps (an MPI barrier would spin on a core)
-        sync = mpi_barrier if contender == "hpdl-mpi" else gloo_barrier
+        sync = mpi_barrier if contender.startswith("hpdl-mpi") else gloo_barrier
         out.append(Contender(contender, model, sgd(model), sync, active=contender != "single" or mpi.rank == 0))
     return out
 
@@ -256,7 +261,7 @@ def measure_model(name: str, options: Options, mpi: Any, gloo: Any) -> list[dict
         stats = report.summarize(samples)
         module = getattr(c.model, "module", c.model)
         diff = None
-        if c.name in ("hpdl-mpi", "hpdl-gloo", "ddp-gloo"):
+        if c.name in ("hpdl-mpi", "hpdl-mpi-noshm", "hpdl-gloo", "ddp-gloo"):
             diff = max(float((a - b).abs().max()) for a, b in zip(module.parameters(), reference))
         records.append(
             {

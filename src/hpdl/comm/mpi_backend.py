@@ -188,6 +188,8 @@ class MpiCommunicator(Communicator):
         self.mpi_comm = mpi_comm
         self.cuda_aware = cuda_aware()
         self._progress = WindowBoard(mpi_comm, timeout)
+        self.shared_memory = shm.enabled()
+        """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
         self.shm_status = "not started (starts with the first collective above its size threshold)"
@@ -220,8 +222,8 @@ class MpiCommunicator(Communicator):
         local = node.Get_size()
         extremes = torch.tensor([local, -local], dtype=torch.int64)
         self._allreduce(extremes, "max", -1).wait()
-        if not shm.enabled():
-            self.shm_status = "off (HPDL_SHM=0): plain MPI"
+        if not self.shared_memory:
+            self.shm_status = "off (HPDL_SHM=0 or comm.shared_memory = False): plain MPI"
         elif local == 1:
             self.shm_status = "off: one rank on this node, plain MPI"
         elif int(extremes[0]) != -int(extremes[1]):

@@ -40,18 +40,18 @@ DEFAULT_SEGMENT_MB = 32.0
 
 _MB = 1024 * 1024
 # Smallest message (bytes) that takes the shared-memory path, per operation:
-# (when shared buffers are in use, for any tensor) and (for ordinary tensors,
-# which must first be copied in). Chosen from measurements on 2 ranks of a
-# 2-core VM with MPICH 5.0.2: below them MPICH's own algorithms are as fast or
-# faster; copying in costs as much as MPICH's allgather and broadcast save,
-# so those stay with MPICH unless the data already lives in a window.
+# (when every rank's tensor is a shared buffer: zero copy in) and (for
+# ordinary tensors, which must first be copied in). Chosen from `hpdl bench
+# comm` on 2 ranks of a 2-core VM with MPICH 5.0.2: below them MPICH's own
+# algorithms are as fast or faster. MPICH's broadcast is never slower here,
+# and its allgather only below 32 MB, so they mostly stay with MPICH.
 # HPDL_SHM_MIN_<OP>=bytes overrides both numbers of one operation.
 NEVER = 1 << 62
 DEFAULT_THRESHOLDS = {
-    "allreduce": (1 * _MB, 48 * _MB),
-    "reduce_scatter": (1 * _MB, 64 * _MB),
-    "allgather": (1 * _MB, NEVER),
-    "broadcast": (1 * _MB, NEVER),
+    "allreduce": (4 * _MB, 48 * _MB),
+    "reduce_scatter": (4 * _MB, 64 * _MB),
+    "allgather": (32 * _MB, NEVER),
+    "broadcast": (NEVER, NEVER),
 }
 
 _FLAG_STRIDE = 8  # int64 per rank: one 64-byte cache line each, so flags never share a line
