@@ -262,7 +262,7 @@ def measure_model(name: str, options: Options, mpi: Any, gloo: Any) -> list[dict
         module = getattr(c.model, "module", c.model)
         diff = None
         if c.name in ("hpdl-mpi", "hpdl-mpi-noshm", "hpdl-gloo", "ddp-gloo"):
-            diff = max(float((a - b).abs().max()) for a, b in zip(module.parameters(), reference))
+            diff = max(float((a.detach() - b).abs().max()) for a, b in zip(module.parameters(), reference))
         records.append(
             {
                 "model": name,

@@ -74,12 +74,31 @@ def _mpi_info() -> dict[str, Any]:
         mpiexec = find_mpiexec()
     except FileNotFoundError as exc:
         mpiexec = f"not found ({exc})"
+    from hpdl.comm import shm
+
+    if shm.enabled():
+        sizes = ", ".join(
+            f"{op} {_size(zero)}/{_size(ordinary)}" for op, (zero, ordinary) in shm.DEFAULT_THRESHOLDS.items()
+        )
+        shared = (
+            f"on (HPDL_SHM): CPU collectives from (shared buffer/ordinary tensor) {sizes}; hierarchical allreduce "
+            "across nodes; plain MPI when a node holds one rank or the window cannot be allocated"
+        )
+    else:
+        shared = "off (HPDL_SHM=0): plain MPI"
     return {
         "mpi4py": mpi4py.__version__,
         "mpi library": library_version(),
         "mpiexec": mpiexec,
         "mpi cuda-aware": cuda_aware(),
+        "mpi shared-memory collectives": shared,
     }
+
+
+def _size(nbytes: int) -> str:
+    from hpdl.comm import shm
+
+    return "never" if nbytes >= shm.NEVER else f"{nbytes >> 20} MiB"
 
 
 def _gpu_path(aware: Any) -> str:
