@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Callable, Optional
 
-from hpdl.cli.launch import find_mpiexec, rank_environment
 from hpdl.runtime.environment import free_port
+from hpdl.runtime.spawn import find_mpiexec, rank_environment
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS_DIR, "rank_worker.py")

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -32,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from hpdl.bench import report
+from hpdl.runtime import spawn
 
 __all__ = ["launch", "main"]
 
@@ -172,68 +170,24 @@ def parse(argv: Sequence[str]) -> Options:
 
 # --------------------------------------------------------------------------- launcher
 def launch(argv: list[str]) -> int:
-    """Start the benchmark under mpiexec (the one beside this Python) and return its exit code."""
+    """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
     try:
         options = parse(argv)
     except SystemExit as stop:  # argparse errors (2) and --help (0): return the code, do not exit the caller
         return stop.code if isinstance(stop.code, int) else 0
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        return _say(
-            "hpdl bench comm: no mpiexec beside this Python or on PATH; install one with `pip install mpich` "
-            "(or `pip install 'hpdl[mpich]'`)",
-            127,
-        )
-    command = [mpiexec, "-n", str(options.ranks), sys.executable, "-m", "hpdl.bench.comm", *options.forwarded()]
-    print("hpdl bench comm: " + " ".join(command), flush=True)
-    process = subprocess.Popen(command, env=_worker_environment())
-    try:
-        return process.wait(timeout=options.timeout)
-    except subprocess.TimeoutExpired:
-        _stop(process)
-        return _say(f"hpdl bench comm: stopped after --timeout {options.timeout:g} s", 124)
-    except KeyboardInterrupt:
-        _stop(process)
-        raise
+    return run_worker("hpdl bench comm", "hpdl.bench.comm", options.ranks, options.forwarded(), options.timeout)
 
 
-def find_mpiexec() -> Optional[str]:
-    """The mpiexec of this environment first (the `mpich` wheel puts it beside python), then PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.isfile(beside) and os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("mpiexec")
-
-
-def _worker_environment() -> dict[str, str]:
-    """One thread per rank, hpdl importable, and no launcher variables inherited from an outer job."""
-    import hpdl
-
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PMI_", "PMIX_", "TORCHELASTIC_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+def run_worker(name: str, module: str, ranks: int, forwarded: list[str], timeout: float) -> int:
+    """`python -m module *forwarded` on `ranks` MPI ranks, one thread each (shared by every benchmark)."""
+    env = spawn.job_environment("mpi", ranks)
     env["OMP_NUM_THREADS"] = "1"
-    source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM mpiexec (Hydra forwards it to the ranks), then kill it if it does not go."""
-    process.send_signal(signal.SIGTERM)
+    print(f"{name}: {ranks} ranks of python -m {module} {' '.join(forwarded)}", flush=True)
     try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def _say(message: str, code: int) -> int:
-    print(message, file=sys.stderr)
-    return code
+        return spawn.run(ranks, ["-m", module, *forwarded], env=env, timeout=timeout, name=name)
+    except FileNotFoundError as missing:
+        print(f"{name}: {missing}", file=sys.stderr)
+        return 127
 
 
 # --------------------------------------------------------------------------- timing

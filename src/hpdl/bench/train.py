@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive, _say, _stop, _worker_environment, find_mpiexec
+from hpdl.bench.comm import _positive, run_worker
 
 __all__ = ["launch", "main"]
 
@@ -112,25 +111,12 @@ def parse(argv: Sequence[str]) -> Options:
 
 
 def launch(argv: list[str]) -> int:
-    """Start the benchmark under mpiexec (the one beside this Python) and return its exit code."""
+    """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
     try:
         options = parse(argv)
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else 0
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        return _say("hpdl bench train: no mpiexec beside this Python or on PATH; `pip install mpich`", 127)
-    command = [mpiexec, "-n", str(options.ranks), sys.executable, "-m", "hpdl.bench.train", *options.forwarded()]
-    print("hpdl bench train: " + " ".join(command), flush=True)
-    process = subprocess.Popen(command, env=_worker_environment())
-    try:
-        return process.wait(timeout=options.timeout)
-    except subprocess.TimeoutExpired:
-        _stop(process)
-        return _say(f"hpdl bench train: stopped after --timeout {options.timeout:g} s", 124)
-    except KeyboardInterrupt:
-        _stop(process)
-        raise
+    return run_worker("hpdl bench train", "hpdl.bench.train", options.ranks, options.forwarded(), options.timeout)
 
 
 # --------------------------------------------------------------------------- models and contenders

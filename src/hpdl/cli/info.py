@@ -66,8 +66,8 @@ def _mpi_info() -> dict[str, Any]:
     try:
         import mpi4py
 
-        from hpdl.cli.launch import find_mpiexec
         from hpdl.comm.mpi_backend import cuda_aware, library_version
+        from hpdl.runtime.spawn import find_mpiexec
     except Exception as exc:  # report, do not fail: info must work on broken installs
         return {"mpi4py": f"unavailable ({exc})"}
     try:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from typing import Any, Optional, Sequence
+
+from hpdl.runtime import spawn
 
 __all__ = ["launch", "build_model", "load_digits_split", "main"]
 
@@ -62,102 +62,24 @@ def launch(argv: list[str]) -> int:
     except SystemExit as stop:  # --help (0) and usage errors (2): return the code, do not exit the caller
         return stop.code if isinstance(stop.code, int) else 0
     forwarded = [a for a in argv if a != "--worker"]
-    worker = [sys.executable, "-u", "-m", "hpdl.runtime.run_rank", "-m", "hpdl.train.demo", "--worker", *forwarded]
-    env = _worker_environment(options.backend)
+    env = spawn.job_environment(options.backend, options.ranks)
+    env["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
-    if options.backend == "mpi":
-        mpiexec = _find_mpiexec()
-        if mpiexec is None:
-            print(
-                "hpdl demo: no mpiexec beside this Python or on PATH; `pip install mpich`, or use --backend torch",
-                file=sys.stderr,
-            )
-            return 127
-        children = [subprocess.Popen([mpiexec, "-n", str(options.ranks), *worker], env=env)]
-    else:
-        from hpdl.runtime.environment import free_port
-
-        port = str(free_port())
-        children = [
-            subprocess.Popen(
-                worker,
-                env=dict(
-                    env,
-                    RANK=str(r),
-                    WORLD_SIZE=str(options.ranks),
-                    LOCAL_RANK=str(r),
-                    LOCAL_WORLD_SIZE=str(options.ranks),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port,
-                ),
-            )
-            for r in range(options.ranks)
-        ]
     try:
-        code = _supervise(children, options.timeout)
-    except KeyboardInterrupt:
-        _stop(children)
-        return 130
-    if code == 124:
-        print(f"hpdl demo: stopped after --timeout {options.timeout:g} s", file=sys.stderr)
-    elif code == 0:
+        code = spawn.run(
+            options.ranks,
+            ["-m", "hpdl.train.demo", "--worker", *forwarded],
+            backend=options.backend,
+            env=env,
+            timeout=options.timeout,
+            name="hpdl demo",
+        )
+    except FileNotFoundError as missing:
+        print(f"hpdl demo: {missing}", file=sys.stderr)
+        return 127
+    if code == 0:
         print(f"hpdl demo: finished in {time.perf_counter() - start:.1f} s (with start-up); report in {options.out}")
     return code
-
-
-def _supervise(children: list[subprocess.Popen], timeout: float) -> int:
-    """Wait for every process; the first failure (or the timeout) stops the rest."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [child.poll() for child in children]
-        failed = [code for code in codes if code not in (None, 0)]
-        if failed:
-            _stop(children)
-            return failed[0] if failed[0] > 0 else 128 - failed[0]
-        if all(code == 0 for code in codes):
-            return 0
-        if time.monotonic() > deadline:
-            _stop(children)
-            return 124
-        time.sleep(0.05)
-
-
-def _stop(children: list[subprocess.Popen]) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    for child in children:
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-
-
-def _find_mpiexec() -> Optional[str]:
-    import shutil
-
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.isfile(beside) and os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("mpiexec")
-
-
-def _worker_environment(backend: str) -> dict[str, str]:
-    """One thread per rank, hpdl importable, the backend chosen, and no launcher variables from an outer job."""
-    import hpdl
-
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PMI_", "PMIX_", "TORCHELASTIC_", "OMPI_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    env["HPDL_BACKEND"] = backend
-    source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
-    return env
 
 
 # --------------------------------------------------------------------------- the job
