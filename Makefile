@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hpdl-installed
 
-.PHONY: install demo test lint typecheck unit bench-comm clean
+.PHONY: install demo test lint typecheck unit bench-comm gpu-check clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ test: lint typecheck unit
 
 bench-comm: install
 	$(BIN)/hpdl bench comm
+
+# On a machine with a GPU (../shared/GPU.md): collectives on CUDA tensors and a training step, one table.
+gpu-check: install
+	$(BIN)/hpdl bench gpu
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache bench-results

@@ -7,13 +7,13 @@ import importlib
 
 __all__ = ["add_parser"]
 
-KINDS = {"comm": "hpdl.bench.comm", "train": "hpdl.bench.train"}
+KINDS = {"comm": "hpdl.bench.comm", "train": "hpdl.bench.train", "gpu": "hpdl.bench.gpu_check"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="side-by-side benchmarks (comm, train)",
+        help="side-by-side benchmarks (comm, train) and the GPU check (gpu)",
         description="Run a benchmark; see `hpdl bench comm --help`, `hpdl bench train --help`.",
     )
     parser.add_argument("kind", choices=sorted(KINDS), help="which benchmark")

@@ -1,0 +1,176 @@
+"""`hpdl bench gpu` (`make gpu-check`): the GPU paths in one short run, for a borrowed GPU machine.
+
+Prints one table (see ../shared/GPU.md):
+- `hpdl info` as the machine sees it (NCCL, CUDA-awareness of the MPI library);
+- every collective on CUDA tensors over the `mpi` backend (2 ranks: the
+  CUDA-aware or the staged path) and over the `torch` backend (NCCL on one
+  rank), each checked against the same collective on CPU tensors;
+- one training step of the demo model on the GPU with and without
+  DataParallel (the wrapper's overhead).
+
+`--device cpu` runs the same checks on the CPU, which is how CI keeps this
+script working on machines without a GPU. One GPU cannot show multi-GPU
+scaling; the table says what ran where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+from hpdl.runtime import spawn
+
+__all__ = ["launch", "main"]
+
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpdl bench gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the checks run")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for each job")
+    parser.add_argument("--worker", choices=("mpi", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser
+
+
+def launch(argv: list[str]) -> int:
+    """Run the checks (two short jobs) and print the table; non-zero when a check fails."""
+    try:
+        options = build_parser().parse_args(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 0
+    from hpdl.cli.info import collect
+
+    info = collect()
+    rows: list[list[str]] = [["hpdl info", "-", json.dumps({k: info[k] for k in ("torch", "cuda")}, default=str)]]
+    rows.append(["hpdl info", "-", f"mpi library {info.get('mpi library')}, cuda-aware {info.get('mpi cuda-aware')}"])
+    failed = False
+    with tempfile.TemporaryDirectory() as folder:
+        for backend, ranks in (("mpi", 2), ("torch", 1)):
+            out = os.path.join(folder, f"{backend}.json")
+            target = ["-m", "hpdl.bench.gpu_check", "--worker", backend, "--device", options.device, "--out", out]
+            code = spawn.run(ranks, target, backend=backend, timeout=options.timeout, name="hpdl bench gpu")
+            if code != 0 or not os.path.exists(out):
+                rows.append([backend, "job", f"FAIL (exit code {code})"])
+                failed = True
+                continue
+            for name, verdict, detail in json.load(open(out)):
+                rows.append([backend, name, f"{verdict} {detail}".strip()])
+                failed |= verdict == "FAIL"
+    from hpdl.bench import report
+
+    print(report.markdown_table(["backend", "check", "result"], rows))
+    return 1 if failed else 0
+
+
+def _device(choice: str) -> Any:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("hpdl bench gpu: no CUDA device here; use --device cpu for a dry run")
+    return torch.device(choice)
+
+
+def collectives(comm: Any, device: Any) -> list[tuple[str, str, str]]:
+    """Every collective on `device` tensors against the same call on CPU tensors (identical results)."""
+    import torch
+
+    results = []
+    k, r = comm.size, comm.rank
+    for op in OPS:
+        if op == "sendrecv" and k < 2:
+            continue
+        started = time.perf_counter()
+        try:
+            outputs = []
+            for where in (torch.device("cpu"), device):
+                x = (torch.arange(k * 1024, dtype=torch.float32, device=where) + r).reshape(k, 1024)
+                if op == "allreduce":
+                    outputs.append(comm.allreduce(x.clone(), op="avg"))
+                elif op == "allgather":
+                    outputs.append(comm.allgather(x[: r + 1].contiguous()))
+                elif op == "reduce_scatter":
+                    outputs.append(comm.reduce_scatter(x))
+                elif op == "broadcast":
+                    outputs.append(comm.broadcast(x.clone(), root=k - 1))
+                elif op == "alltoall":
+                    outputs.append(comm.alltoall(x))
+                else:
+                    y = torch.empty_like(x)
+                    sending = comm.send(x, (r + 1) % k, async_op=True)
+                    comm.recv(y, (r - 1) % k)
+                    sending.wait()
+                    outputs.append(y)
+            on_cpu, on_device = outputs
+            same = on_device.device.type == device.type and torch.equal(on_device.cpu(), on_cpu)
+            elapsed = (time.perf_counter() - started) * 1e3
+            results.append((op, "PASS" if same else "FAIL", f"{on_device.device}, {elapsed:.1f} ms for both"))
+        except Exception as exc:  # report every op, do not stop at the first
+            results.append((op, "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
+    return results
+
+
+def training_step(comm: Any, device: Any) -> list[tuple[str, str, str]]:
+    """One step of the demo model with and without DataParallel: same loss, and the wrapper's cost."""
+    import torch
+    import torch.nn.functional as F
+
+    from hpdl.parallel import DataParallel
+    from hpdl.train.demo import build_model
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 1, 8, 8, device=device), torch.randint(0, 10, (64,), device=device)
+    timings, losses = {}, {}
+    for name in ("plain", "DataParallel"):
+        torch.manual_seed(0)
+        model = build_model().to(device)
+        if name == "DataParallel":
+            model = DataParallel(model, comm)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = []
+        for _ in range(6):
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            steps.append(time.perf_counter() - started)
+        timings[name] = sorted(steps[1:])[len(steps[1:]) // 2] * 1e3
+        losses[name] = float(loss.detach())
+    agree = abs(losses["plain"] - losses["DataParallel"]) < 1e-4
+    detail = f"plain {timings['plain']:.2f} ms, DataParallel {timings['DataParallel']:.2f} ms per step"
+    return [("training step", "PASS" if agree else "FAIL", detail)]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    options = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not options.worker:
+        return launch(sys.argv[1:] if argv is None else argv)
+    import hpdl
+
+    comm = hpdl.init(options.worker, timeout=120.0)
+    device = _device(options.device)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())
+    results = collectives(comm, device)
+    if comm.size == 1 or options.worker == "mpi":
+        results += training_step(comm, device)
+    if comm.rank == 0:
+        with open(options.out, "w") as handle:
+            json.dump(results, handle)
+    hpdl.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

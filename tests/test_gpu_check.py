@@ -1,0 +1,26 @@
+"""The GPU check script runs end to end; on a machine without a GPU it runs its checks on the CPU (dry run)."""
+
+from __future__ import annotations
+
+import torch
+
+from hpdl.bench.gpu_check import OPS, launch
+
+
+def rows(table: str) -> dict[tuple[str, str], str]:
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines() if "|" in line]
+    return {(c[0], c[1]): c[2] for c in cells if len(c) == 3}
+
+
+def test_gpu_check_dry_run_on_cpu(capsys):
+    assert launch(["--device", "cpu", "--timeout", "120"]) == 0
+    results = rows(capsys.readouterr().out)
+    for op in OPS:
+        assert results[("mpi", op)].startswith("PASS cpu"), results
+    for op in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "training step"):
+        assert results[("torch", op)].startswith("PASS"), results
+    assert results[("mpi", "training step")].startswith("PASS plain")
+
+
+def test_gpu_check_refuses_cuda_without_a_gpu_or_passes_with_one():
+    assert launch(["--device", "cuda", "--timeout", "120"]) == (0 if torch.cuda.is_available() else 1)
