@@ -190,6 +190,9 @@ class MpiCommunicator(Communicator):
         self._progress = WindowBoard(mpi_comm, timeout)
         self.shared_memory = shm.enabled()
         """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
+        # Read once: this is consulted on every collective.
+        self._shm_thresholds = {op: shm.thresholds(op) for op in shm.DEFAULT_THRESHOLDS}
+        self._shm_smallest = min(low for low, _ in self._shm_thresholds.values())
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
         self.shm_status = "not started (starts with the first collective above its size threshold)"
@@ -203,7 +206,9 @@ class MpiCommunicator(Communicator):
         (copied in); between the thresholds only when every rank's tensor is
         already in a shared window (zero copy), which the ranks agree on first.
         """
-        with_buffers, ordinary = shm.thresholds(op)
+        if nbytes < self._shm_smallest:
+            return None
+        with_buffers, ordinary = self._shm_thresholds[op]
         if nbytes < with_buffers or not t.is_cpu:
             return None
         if nbytes < ordinary and (self._node is None or not self._node.has_buffers):
