@@ -1,0 +1,46 @@
+"""What `hpdl bench comm` measures and the targets it reports against: shared by the worker and the report."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
+
+KIB = 1 << 10
+MIB = 1 << 20
+DEFAULT_SIZES = tuple(4**k for k in range(1, 14))  # 4 B .. 64 MiB
+QUICK_SIZES = (4, KIB, 64 * KIB, MIB)
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "sendrecv")
+COLUMNS = ("hpdl-mpi", "hpdl-mpi-shm", "hpdl-torch", "mpi4py", "torch.distributed")
+SHM_OPS = ("allreduce", "allgather", "reduce_scatter")
+SEPARATE_TENSORS = (
+    "the MPI columns and the gloo columns use different tensor objects: torch.distributed marks the tensors it "
+    "has reduced, and every later torch call on such an object pays for it (measured here: a 4 KB hpdl-mpi "
+    "allreduce took 87 us on a tensor gloo had used, 25 us on a fresh view of the same memory)"
+)
+"""Operations with an hpdl-mpi-shm column: the same call on tensors from comm.shared_buffer (zero copy in)."""
+GLOO_PREFIXES = ("hpdl-torch", "torch.distributed")
+FUSION_TENSORS = 200
+FUSION_BYTES = 4 * KIB
+DEBUG_SIZES = (4, 64 * KIB, 4 * MIB)
+COPY_FROM = 64 * KIB
+ITEMSIZE = 4  # float32
+
+# Targets printed as PASS/MISS at the end; a MISS never fails the run (benchmarks are not tests).
+TARGET_VS_MPI4PY = 1.10
+TARGET_VS_MPI4PY_FROM = 64 * KIB
+TARGET_VS_GLOO = 0.7
+TARGET_VS_GLOO_FROM = MIB
+TARGET_FUSION = 5.0
+TARGET_SHM_64MB = 3.0
+TARGET_SHM_FROM_1MB = 1.5
+
+TIMING = (
+    "columns in a new random order every repetition (the same on every rank); "
+    "per repetition and column: the column's own engine's barrier (MPI_Barrier for hpdl-mpi and mpi4py, "
+    "torch.distributed.barrier for hpdl-torch and torch.distributed), then every rank times its own call with "
+    "time.perf_counter(); a repetition's time is the max over ranks (send/recv: rank 0's round trip / 2; memory "
+    "copy: rank 0 alone while the other ranks wait in MPI_Barrier)"
+)
+SIZE_MEANING = (
+    "bytes = the message: allreduce/broadcast/send buffer; allgather: each rank's contribution (output = ranks x "
+    "bytes); reduce_scatter: each rank's output block (input = ranks x bytes). GB/s = bytes / median time, 1 GB = 1e9 B"
+)
