@@ -331,3 +331,46 @@ def test_results_into_caller_buffers(group):
         np.testing.assert_array_equal(exchanged, r + 10 * np.arange(k))
         assert waited.tolist() == list(range(k))
         assert len(errors) == 3 and "shape" in errors[0] and "dtype" in errors[1] and "contiguous" in errors[2]
+
+
+def uneven_split_history(comm):
+    """Splits after splits that only some ranks joined (colour None) still agree on every group."""
+    first = comm.split(0 if comm.rank < 2 else None)
+    second = comm.split(0)
+    third = comm.split(comm.rank % 2)
+    return (
+        None if first is None else first.allreduce(torch.tensor([1])).item(),
+        second.allreduce(torch.tensor([1])).item(),
+        third.allreduce(torch.tensor([comm.rank])).item(),
+    )
+
+
+def test_split_after_splits_some_ranks_skipped(ranks):
+    for backend in ("mpi", "torch"):
+        for rank, (first, second, third) in enumerate(ranks(backend, 3).run(uneven_split_history)):
+            assert first == (2 if rank < 2 else None) and second == 3
+            assert third == sum(r for r in range(3) if r % 2 == rank % 2)
+
+
+def async_coalesced_tested_first(comm):
+    """A handle tested before it is waited on finishes each part once (no second division for avg)."""
+    small, large = torch.full((1,), float(comm.rank + 1)), torch.full((1 << 21,), float(comm.rank + 1))
+    work = comm.allreduce_coalesced([small, large], op="avg", bucket_mb=1, async_op=True)
+    work.is_completed()
+    work.wait()
+    return small.item(), large[-1].item()
+
+
+def half_reduce_scatter_large(comm):
+    """16-bit reduce_scatter through float32 temporaries that must live until MPI is done with them."""
+    x = torch.full((comm.size * (1 << 21),), float(comm.rank + 1), dtype=torch.bfloat16)
+    out = comm.reduce_scatter(x)
+    return out.float().unique().tolist()
+
+
+def test_async_and_temporary_buffers_regressions(ranks):
+    k = 2
+    mean = sum(range(1, k + 1)) / k
+    for backend in ("mpi", "torch"):
+        assert ranks(backend, k).run(async_coalesced_tested_first) == [(mean, mean)] * k
+    assert ranks("mpi", k).run(half_reduce_scatter_large) == [[float(sum(range(1, k + 1)))]] * k

@@ -292,16 +292,20 @@ class Communicator(ABC):
             return
         for child in reversed(self._children):
             child.close()
+        self._close()  # may still meet the other ranks (the exit barrier): not closed yet
         self._closed = True
-        self._close()
 
     def _exit_barrier(self) -> None:
         """Meet every rank before tearing the engine down; a rank that does not come is reported, not awaited."""
         if self._broken or self._closed:
             return
+        limit = min(self.timeout, EXIT_BARRIER_SECONDS)
         try:
             seq = self._begin("finalize", None, "")
-            self._barrier(seq).wait(timeout=min(self.timeout, EXIT_BARRIER_SECONDS))
+            self._barrier(seq).wait(timeout=limit)
+            # A late rank's barrier can match one that the others already gave up on:
+            # only ranks that all met in time go on to free what they share.
+            self._allreduce(torch.ones(1), "min", seq).wait(timeout=limit)
         except CommError as exc:
             print(f"hpdl: rank {self.rank}: {exc} Closing without waiting.", file=sys.stderr)
 

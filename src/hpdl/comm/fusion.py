@@ -84,7 +84,7 @@ class Packer:
         """A plan whose flat buffers hold the tensors' current values; `release` it after unpacking."""
         # A plan holds views of its tensors, so their memory cannot be reused by
         # others while it is remembered: equal addresses and sizes mean the same tensors.
-        key = (limit_bytes, *[t.data_ptr() for t in tensors])
+        key = (limit_bytes, *[(t.data_ptr(), t.dtype) for t in tensors])
         plan = self._plans.get(key)
         if plan is not None and plan.numels != [t.numel() for t in tensors]:
             plan = None  # resized in place

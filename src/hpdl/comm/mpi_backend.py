@@ -223,11 +223,14 @@ class MpiCommunicator(Communicator):
 
     def _start_shared_memory(self) -> None:
         self.shm_status = "starting"  # the set-up's own small collectives go through MPI
+        # Every rank must be here before the unbounded MPI set-up calls below.
+        self._barrier(self._seq).wait()
         node = node_comm(self.mpi_comm)
         local = node.Get_size()
-        extremes = torch.tensor([local, -local], dtype=torch.int64)
+        wanted = int(self.shared_memory)
+        extremes = torch.tensor([local, -local, -wanted], dtype=torch.int64)  # max, -min, -min
         self._allreduce(extremes, "max", -1).wait()
-        if not self.shared_memory:
+        if extremes[2] != -1:  # off on at least one rank: off everywhere
             self.shm_status = "off (HPDL_SHM=0 or comm.shared_memory = False): plain MPI"
         elif local == 1:
             self.shm_status = "off: one rank on this node, plain MPI"
@@ -236,7 +239,7 @@ class MpiCommunicator(Communicator):
         else:
             members = node.Get_group().Translate_ranks(list(range(local)), self.mpi_comm.Get_group())
             try:
-                self._node = shm.NodeCollectives(node, members, lambda: self.timeout, self.__repr__)
+                self._node = shm.NodeCollectives(node, members, lambda: self.timeout, self.__repr__, self._mark_broken)
             except MPI.Exception as exc:
                 self.shm_status = f"off: shared window could not be allocated ({exc}), plain MPI"
             else:
@@ -248,6 +251,9 @@ class MpiCommunicator(Communicator):
                 )
                 return
         node.Free()
+
+    def _mark_broken(self) -> None:
+        self._broken = True
 
     def _across_nodes(self, t: torch.Tensor, op: str) -> None:
         """Allreduce one node-reduced slice among the ranks with this local rank on every node."""
@@ -276,8 +282,9 @@ class MpiCommunicator(Communicator):
             return t
         return t.cpu()
 
-    def _work(self, op: str, seq: int, request: Any, finish: Callable[[], Any]) -> Work:
-        return Work(self, op, seq, request.Test, finish)
+    def _work(self, op: str, seq: int, request: Any, finish: Callable[[], Any], *keep: Any) -> Work:
+        """A handle on an MPI request; `keep` holds the buffers MPI uses (it has only their addresses)."""
+        return Work(self, op, seq, request.Test, finish, keep=keep)
 
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
         if node := self._shared_memory("allreduce", t.numel() * t.element_size(), t):
@@ -288,7 +295,7 @@ class MpiCommunicator(Communicator):
         if t.is_cpu and t.dtype in _NATIVE:  # the common case, kept short: it runs for every bucket
             request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, [_memory(t), _NATIVE[t.dtype]], _OPS[op])
             average = (lambda: t.div_(self.size)) if op == "avg" else None
-            return Work(self, "allreduce", seq, request.Test, average)
+            return Work(self, "allreduce", seq, request.Test, average, keep=t)
         host = self._host(t)
         wire = host.float() if t.dtype in _HALF else host
         request = self.mpi_comm.Iallreduce(
@@ -321,7 +328,7 @@ class MpiCommunicator(Communicator):
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
             request = self.mpi_comm.Iallgatherv(_buffer(host, dtype), [_memory(out_host), counts, displs, dtype])
 
-        return self._work("allgather", seq, request, lambda: _deliver(out_host, out, t.device))
+        return self._work("allgather", seq, request, lambda: _deliver(out_host, out, t.device), host)
 
     def _reduce_scatter(self, t: torch.Tensor, op: str, seq: int, out: Optional[torch.Tensor] = None) -> Work:
         if node := self._shared_memory("reduce_scatter", t.numel() * t.element_size(), t):
@@ -343,7 +350,7 @@ class MpiCommunicator(Communicator):
                 result.div_(self.size)
             return _deliver(result, out, t.device, t.dtype)
 
-        return self._work("reduce_scatter", seq, request, finish)
+        return self._work("reduce_scatter", seq, request, finish, wire)
 
     def _broadcast(self, t: torch.Tensor, root: int, seq: int) -> Work:
         if node := self._shared_memory("broadcast", t.numel() * t.element_size(), t):
@@ -358,7 +365,7 @@ class MpiCommunicator(Communicator):
         result = _output(out, host, tuple(t.shape), t.dtype)
         dtype = _move_type(t, "alltoall")
         request = self.mpi_comm.Ialltoall(_buffer(host, dtype), _buffer(result, dtype))
-        return self._work("alltoall", seq, request, lambda: _deliver(result, out, t.device))
+        return self._work("alltoall", seq, request, lambda: _deliver(result, out, t.device), host)
 
     def _barrier(self, seq: int) -> Work:
         return self._work("barrier", seq, self.mpi_comm.Ibarrier(), lambda: None)
@@ -366,7 +373,7 @@ class MpiCommunicator(Communicator):
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> Work:
         host = self._host(t)
         request = self.mpi_comm.Isend(_buffer(host, _move_type(t, "send")), dest=dst, tag=tag)
-        return self._work(f"send to {dst}", -1, request, lambda: t)
+        return self._work(f"send to {dst}", -1, request, lambda: t, host)
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work:
         host = self._host(t)

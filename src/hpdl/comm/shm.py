@@ -54,6 +54,8 @@ DEFAULT_THRESHOLDS = {
     "broadcast": (NEVER, NEVER),
 }
 
+_OUTLIVING: list[Any] = []
+"""Windows of shared buffers, kept until the process exits."""
 _FLAG_STRIDE = 8  # int64 per rank: one 64-byte cache line each, so flags never share a line
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -133,7 +135,14 @@ class NodeCollectives:
     error messages); `timeout` returns the communicator's current timeout.
     """
 
-    def __init__(self, node: Any, ranks: list[int], timeout: Callable[[], float], describe: Callable[[], str]):
+    def __init__(
+        self,
+        node: Any,
+        ranks: list[int],
+        timeout: Callable[[], float],
+        describe: Callable[[], str],
+        broken: Callable[[], None] = lambda: None,
+    ):
         from mpi4py import MPI
 
         self.node = node
@@ -142,6 +151,7 @@ class NodeCollectives:
         self.ranks = ranks
         self._timeout = timeout
         self._describe = describe
+        self._broken = broken
         self.segment = segment_bytes()
         self._flag_win = MPI.Win.Allocate_shared(8 * _FLAG_STRIDE, 8, comm=node)
         self._flag_win.Lock_all()
@@ -183,6 +193,7 @@ class NodeCollectives:
         self._stage_win.Sync()  # what the others wrote before their flags is visible now
 
     def _raise_timeout(self, what: str, mark: int) -> None:
+        self._broken()  # the other ranks may be anywhere: finalize must not wait on them
         missing = [self.ranks[i] for i, flag in enumerate(self._flags) if int(flag) < mark]
         names = ", ".join(str(r) for r in missing)
         raise CommTimeoutError(
@@ -365,8 +376,9 @@ class NodeCollectives:
             self._sync("broadcast: input read")
 
     def close(self) -> None:
-        for buffer in self._buffers:
-            buffer.win.Free()
+        # Shared buffers stay mapped until the process exits (MPI_Finalize frees them):
+        # tensors such as DataParallel's gradients may still point into them.
+        _OUTLIVING.extend(buffer.win for buffer in self._buffers)
         for win in (self._stage_win, self._flag_win):
             win.Unlock_all()
             win.Free()

@@ -222,13 +222,23 @@ class TorchCommunicator(Communicator):
 
     def _split(self, color: Optional[int], key: int, seq: int) -> Optional[Communicator]:
         table = self.allgather_object((color, key, _hostname()))
+        groups = {}
+        if self.group is None:
+            # A split of the whole world: every rank creates every group, in colour order,
+            # so torch's group names agree on all ranks whatever each rank split before.
+            for c in sorted({c for c, _, _ in table if c is not None}):
+                ranks_c = [self._peer(r) for _, r in sorted((k, r) for r, (cc, k, _) in enumerate(table) if cc == c)]
+                groups[c] = dist.new_group(ranks=ranks_c, timeout=_seconds(self.timeout))
         if color is None:
             return None
         members = sorted((k, r) for r, (c, k, _) in enumerate(table) if c == color)
         ranks = [self._peer(r) for _, r in members]
-        # Only the members create the group (local synchronisation), so splits of
-        # sub-groups need nothing from ranks outside them.
-        group = dist.new_group(ranks=ranks, timeout=_seconds(self.timeout), use_local_synchronization=True)
+        # A split of a sub-group: only its members create the group (local synchronisation),
+        # which needs nothing from ranks outside it. Known limit: torch names such groups by
+        # each rank's count of groups, so members must have created equally many before.
+        group = groups.get(color) or dist.new_group(
+            ranks=ranks, timeout=_seconds(self.timeout), use_local_synchronization=True
+        )
         same_node = [r for _, r in members if table[r][2] == table[self.rank][2]]
         return TorchCommunicator(
             group,

@@ -51,7 +51,9 @@ class Work(Generic[T]):
     without holding the GIL).
     """
 
-    __slots__ = ("_comm", "op", "seq", "_test", "_finish", "_block", "_done", "_result", "_returns", "_started")
+    __slots__ = (
+        "_comm", "op", "seq", "_test", "_finish", "_block", "_done", "_result", "_returns", "_started", "_keep"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -61,8 +63,10 @@ class Work(Generic[T]):
         test: Callable[[], bool],
         finish: Optional[Callable[[], T]] = None,
         block: Optional[Callable[[float], bool]] = None,
+        keep: Any = None,
     ):
         self._comm = comm
+        self._keep = keep  # buffers the engine reads or writes until completion (MPI holds only addresses)
         self.op = op
         self.seq = seq
         self._test = test
@@ -108,10 +112,18 @@ class Work(Generic[T]):
 
     def _complete(self) -> None:
         result = self._finish() if self._finish is not None else None
+        # Let go of the engine's handle and buffers at once: a gloo work object that
+        # outlives its process group can abort the process at exit.
+        self._keep = self._block = self._finish = None
+        self._test = _finished
         self._result = result if self._returns is _NOTHING else self._returns
         self._done = True
         if self._started:
             self._comm._trace_op(self.op, self._started)
+
+
+def _finished() -> bool:
+    return True
 
 
 def completed(comm: Communicator, op: str, seq: int, result: T) -> Work[T]:
@@ -128,6 +140,8 @@ def chain(comm: Communicator, op: str, seq: int, parts: list[Work], finish: Call
     def block(limit: float) -> bool:
         deadline = time.perf_counter() + limit
         for part in parts:
+            if part._done:  # finished (and finished off) by an earlier test
+                continue
             remaining = max(0.0, deadline - time.perf_counter())
             if part._block is not None:
                 if not part._block(remaining):

@@ -9,6 +9,7 @@ gloo, whose process group must be destroyed after a barrier.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import socket
 import sys
@@ -122,13 +123,15 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
         raise BackendUnavailableError("this torch build has no torch.distributed; install a standard torch wheel")
     rank, size, addr, port = _torch_rendezvous(launch)
     span = datetime.timedelta(seconds=timeout)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(addr, port, size, is_master=(rank == 0 and not agent_store), timeout=span)
     if not dist.is_initialized():
         engine = os.environ.get("HPDL_TORCH_ENGINE") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(
-            engine, store=dist.PrefixStore("hpdl/pg", store), rank=rank, world_size=size, timeout=span
-        )
+        # torch owns the rendezvous store (and tears it down in destroy_process_group): a store
+        # server of our own, destroyed during interpreter shutdown, can abort the process at exit.
+        from_env = all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+        method = "env://" if from_env else f"tcp://{addr}:{port}"
+        dist.init_process_group(engine, init_method=method, rank=rank, world_size=size, timeout=span)
+    # A client of that store, for progress reports when a wait times out.
+    store = dist.TCPStore(addr, port, size, is_master=False, timeout=span)
     comm = TorchCommunicator(None, store, local_rank=0, local_size=1, timeout=timeout, debug=debug)
     hosts = comm.allgather_object(socket.gethostname())
     same_node = [r for r, host in enumerate(hosts) if host == hosts[comm.rank]]
@@ -155,6 +158,9 @@ def _close_torch(comm: Communicator) -> None:
     import torch.distributed as dist
 
     comm._exit_barrier()  # gloo aborts at exit unless the group is torn down after a barrier
+    # Engine handles still held in reference cycles (hooks, closures) must die while their
+    # process group is alive: destroyed during interpreter shutdown, they can abort the process.
+    gc.collect()
     comm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
