@@ -13,6 +13,7 @@ import gc
 import os
 import socket
 import sys
+import time
 from typing import Any, Optional
 
 from hpdl.comm.base import Communicator, default_debug, default_timeout
@@ -188,6 +189,9 @@ def _install_abort_hook() -> None:
             previous(kind, error, tb)  # the user's own hook, or Python's traceback
         sys.stderr.flush()
         sys.stdout.flush()
+        # mpiexec forwards output through pipes and may drop what is still in them when the
+        # abort tears the job down: give it a moment, so the traceback's last line arrives.
+        time.sleep(0.5)
         if "hpdl.comm.mpi_backend" in sys.modules:
             from hpdl.comm.mpi_backend import MPI
 
