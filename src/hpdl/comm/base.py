@@ -9,7 +9,6 @@ methods), each returning a `Work` handle.
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hpdl.comm import fingerprint, fusion
+from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import ProgressBoard, describe_laggards
 from hpdl.comm.tensors import (
     ArrayLike,
@@ -45,24 +45,7 @@ EXIT_BARRIER_SECONDS = 30.0
 
 
 def default_timeout() -> float:
-    value = os.environ.get("HPDL_TIMEOUT")
-    if not value:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"HPDL_TIMEOUT={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"HPDL_TIMEOUT={value!r} must be positive")
-    return seconds
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """A yes/no environment variable: 0, false, no, off (any case) or empty mean no."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return env_number("HPDL_TIMEOUT", DEFAULT_TIMEOUT, float, "a number of seconds")
 
 
 def default_debug() -> bool:

@@ -13,12 +13,13 @@ copy per buffer, about half a microsecond per tensor.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+
+from hpdl.comm.env import env_number
 
 __all__: list[str] = []
 
@@ -29,11 +30,7 @@ PLANS_KEPT = 8
 
 def bucket_bytes(bucket_mb: Optional[float]) -> int:
     if bucket_mb is None:
-        text = os.environ.get("HPDL_FUSION_MB", str(DEFAULT_BUCKET_MB))
-        try:
-            bucket_mb = float(text)
-        except ValueError:
-            raise ValueError(f"HPDL_FUSION_MB={text!r} must be a number of megabytes") from None
+        bucket_mb = env_number("HPDL_FUSION_MB", DEFAULT_BUCKET_MB, float, "a number of megabytes")
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb} must be positive (megabytes per fused buffer)")
     return int(bucket_mb * 1024 * 1024)

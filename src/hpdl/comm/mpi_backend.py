@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from hpdl.comm import shm
-from hpdl.comm.base import Communicator, env_flag
+from hpdl.comm.base import Communicator
+from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
 from hpdl.comm.work import Work, completed, poll_until
 from hpdl.errors import BackendUnavailableError, CommTimeoutError
@@ -434,15 +435,9 @@ def node_comm(mpi_comm: Any) -> Any:
     that multi-node code paths can be tested on one machine.
     """
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-    per_node = os.environ.get("HPDL_RANKS_PER_NODE")
-    if not per_node:
+    k = env_number("HPDL_RANKS_PER_NODE", 0, int, "a positive int")
+    if not k:
         return node
-    try:
-        k = int(per_node)
-    except ValueError:
-        raise ValueError(f"HPDL_RANKS_PER_NODE={per_node!r} must be a positive int") from None
-    if k <= 0:
-        raise ValueError(f"HPDL_RANKS_PER_NODE={per_node!r} must be a positive int")
     virtual = node.Split(node.Get_rank() // k, node.Get_rank())
     node.Free()
     return virtual

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from hpdl.comm.env import env_number
 from hpdl.errors import CommTimeoutError
 
 __all__: list[str] = []
@@ -65,25 +66,14 @@ def enabled() -> bool:
 
 
 def segment_bytes() -> int:
-    text = os.environ.get("HPDL_SHM_MB", str(DEFAULT_SEGMENT_MB))
-    try:
-        megabytes = float(text)
-    except ValueError:
-        raise ValueError(f"HPDL_SHM_MB={text!r} must be a number of megabytes") from None
-    if megabytes <= 0:
-        raise ValueError(f"HPDL_SHM_MB={text!r} must be positive")
+    megabytes = env_number("HPDL_SHM_MB", DEFAULT_SEGMENT_MB, float, "a number of megabytes")
     return int(megabytes * 1024 * 1024) // 64 * 64
 
 
 def thresholds(op: str) -> tuple[int, int]:
     """(smallest size with shared buffers in use, smallest size for ordinary tensors), in bytes."""
-    text = os.environ.get(f"HPDL_SHM_MIN_{op.upper()}")
-    if text is None:
-        return DEFAULT_THRESHOLDS[op]
-    try:
-        return int(text), int(text)
-    except ValueError:
-        raise ValueError(f"HPDL_SHM_MIN_{op.upper()}={text!r} must be a number of bytes") from None
+    both = env_number(f"HPDL_SHM_MIN_{op.upper()}", -1, int, "a number of bytes", allow_zero=True)
+    return DEFAULT_THRESHOLDS[op] if both < 0 else (both, both)
 
 
 def _views(win: Any, size: int) -> list[torch.Tensor]:
