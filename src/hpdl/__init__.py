@@ -6,6 +6,9 @@ comm.allreduce(tensor)      # in place, on torch tensors or NumPy arrays
 hpdl.finalize()
 """
 
+import importlib
+from typing import Any
+
 from hpdl.comm.base import Communicator
 from hpdl.comm.work import Work
 from hpdl.errors import (
@@ -35,3 +38,12 @@ __all__ = [
     "BackendUnavailableError",
     "__version__",
 ]
+
+_SUBPACKAGES = ("checkpoint", "parallel", "ml", "train", "plan")
+"""Imported on first attribute access (`hpdl.checkpoint.save`), so `import hpdl` stays light."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"hpdl.{name}")
+    raise AttributeError(f"module 'hpdl' has no attribute {name!r}")

@@ -76,7 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Samples/s of whole training steps: hpdl DataParallel (MPI, gloo) beside PyTorch DDP (gloo), "
         "independent processes (ceiling) and one process (scaling reference), alternating in one launch.",
     )
-    parser.add_argument("--strategy", default="dp", choices=["dp"], help="parallel strategy (dp: data parallel)")
+    parser.add_argument(
+        "--strategy",
+        default="dp",
+        choices=["dp", *STRATEGY_MODULES],
+        help="parallel strategy (dp: data parallel; zero, pipeline, hybrid: see their own --help)",
+    )
     parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="MPI processes (default 2)")
     parser.add_argument("--quick", action="store_true", help="few rounds and steps (a smoke test, seconds)")
     parser.add_argument("--out", default="bench-results/train", help="output folder (default bench-results/train)")
@@ -110,8 +115,30 @@ def parse(argv: Sequence[str]) -> Options:
     )
 
 
+STRATEGY_MODULES = {
+    "zero": "hpdl.bench.train_zero",
+    "pipeline": "hpdl.bench.train_pipeline",
+    "hybrid": "hpdl.bench.train_hybrid",
+}
+"""`--strategy` values other than dp, each measured by its own module (with its own `launch(argv)`)."""
+
+
+def _strategy(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--strategy" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--strategy="):
+            return arg.split("=", 1)[1]
+    return "dp"
+
+
 def launch(argv: list[str]) -> int:
     """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
+    strategy = _strategy(argv)
+    if strategy in STRATEGY_MODULES:
+        import importlib
+
+        return int(importlib.import_module(STRATEGY_MODULES[strategy]).launch(argv))
     try:
         options = parse(argv)
     except SystemExit as stop:

@@ -7,7 +7,13 @@ import importlib
 
 __all__ = ["add_parser"]
 
-KINDS = {"comm": "hpdl.bench.comm", "train": "hpdl.bench.train", "gpu": "hpdl.bench.gpu_check"}
+KINDS = {
+    "comm": "hpdl.bench.comm",
+    "train": "hpdl.bench.train",
+    "ml": "hpdl.bench.ml",
+    "dask": "hpdl.bench.dask_transport",
+    "gpu": "hpdl.bench.gpu_check",
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

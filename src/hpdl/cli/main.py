@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional
 
 from hpdl.cli import bench, demo, info, launch
 
 __all__ = ["main"]
+
+RAW_COMMANDS = {
+    "dask": "start a Dask cluster on MPI ranks over the mpi:// transport (under mpiexec)",
+    "plan": "predict step time and memory of every parallel plan and pick the best",
+}
+"""Commands that parse their own options, each in hpdl.cli.<name> with `run_argv(argv)`."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_parser(subparsers)
     bench.add_parser(subparsers)
     demo.add_parser(subparsers)
+    for name, help_text in RAW_COMMANDS.items():
+        subparsers.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
@@ -27,6 +36,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # `demo` and `bench KIND` parse their own options (and print their own --help).
     if args[:1] == ["demo"]:
         return demo.run_argv(args[1:])
+    if args[:1] and args[0] in RAW_COMMANDS:
+        return int(importlib.import_module(f"hpdl.cli.{args[0]}").run_argv(args[1:]))
     if args[:1] == ["bench"] and len(args) > 1 and args[1] in bench.KINDS:
         return bench.run_argv(args[1], args[2:])
     options = parser.parse_args(args)

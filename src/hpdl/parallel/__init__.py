@@ -1,5 +1,32 @@
-"""Parallel strategies that wrap a plain `torch.nn.Module`: data parallelism (more to come: ZeRO, pipeline, tensor)."""
+"""Parallel strategies that wrap a plain `torch.nn.Module`: data, ZeRO, pipeline and tensor parallelism, and the mesh.
+
+Each strategy lives in its own module and is imported on first use, so that
+`import hpdl.parallel` stays cheap and one strategy's dependencies never slow
+another's start.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from hpdl.parallel.data_parallel import DataParallel, broadcast_tensors
 
-__all__ = ["DataParallel", "broadcast_tensors"]
+_LAZY = {
+    "zero": "hpdl.parallel.zero",
+    "ZeroOptimizer": "hpdl.parallel.zero",
+    "Pipeline": "hpdl.parallel.pipeline",
+    "Mesh": "hpdl.parallel.mesh",
+    "Plan": "hpdl.parallel.plan_config",
+    "build": "hpdl.parallel.mesh",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = ["DataParallel", "broadcast_tensors", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpdl.parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
