@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hpdl-installed
 
-.PHONY: install demo test lint typecheck unit bench-comm gpu-check clean
+.PHONY: install demo test lint typecheck unit bench-comm bench-train bench-ml bench-dask plan-validate gpu-check clean
 
 install: $(STAMP)
 
@@ -33,6 +33,24 @@ test: lint typecheck unit
 
 bench-comm: install
 	$(BIN)/hpdl bench comm
+
+# Each strategy beside its peers (DDP, FSDP2/ZeroRedundancyOptimizer/DeepSpeed, torch.distributed.pipelining, DTensor TP).
+bench-train: install
+	$(BIN)/hpdl bench train --strategy dp
+	$(BIN)/hpdl bench train --strategy zero
+	$(BIN)/hpdl bench train --strategy pipeline
+	$(BIN)/hpdl bench train --strategy hybrid
+
+bench-ml: install
+	OMP_NUM_THREADS=1 $(BIN)/hpdl bench ml
+
+bench-dask: install
+	$(BIN)/hpdl bench dask
+
+# The planner's predictions against measured runs on this machine.
+plan-validate: install
+	$(BIN)/hpdl plan calibrate --out bench-results/plan/cluster.toml
+	$(BIN)/hpdl plan validate --cluster bench-results/plan/cluster.toml
 
 # On a machine with a GPU (../shared/GPU.md): collectives on CUDA tensors and a training step, one table.
 gpu-check: install

@@ -27,4 +27,4 @@ def test_quick_run_writes_every_contender(tmp_path: Path) -> None:
 
 def test_bad_arguments_return_an_exit_code() -> None:
     assert launch(["-n", "1"]) == 2
-    assert launch(["--strategy", "zero"]) == 2
+    assert launch(["--strategy", "nonsense"]) == 2

@@ -19,6 +19,7 @@ _LAZY = {
     "Mesh": "hpdl.parallel.mesh",
     "Plan": "hpdl.parallel.plan_config",
     "build": "hpdl.parallel.mesh",
+    "clip_grad_norm_": "hpdl.parallel.mesh",
 }
 """Public name -> the module that defines it."""
 
@@ -29,4 +30,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hpdl.parallel' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    # Cache it: importing hpdl.parallel.zero binds the *module* as this package's attribute `zero`.
+    globals()[name] = value
+    return value

@@ -1,0 +1,551 @@
+"""`hpdl bench train --strategy pipeline`: hpdl's pipeline beside torch.distributed.pipelining, in one launch.
+
+Contenders, on the same ranks (one stage per rank), the same split of the
+same model, the same data, the same micro-batches and the same optimizer
+(SGD with momentum), alternating per round so that drift on a shared
+machine hits them alike:
+
+    hpdl-mpi-gpipe / hpdl-mpi-1f1b     hpdl.parallel.Pipeline over hpdl.init("mpi")
+    hpdl-gloo-gpipe / hpdl-gloo-1f1b   the same over hpdl.init("torch") (gloo)
+    torch-gpipe / torch-1f1b           torch.distributed.pipelining (PipelineStage + ScheduleGPipe /
+                                       Schedule1F1B) on gloo
+    single                             rank 0 alone runs the whole model on the whole batch
+
+No recomputation anywhere (torch's schedules do not recompute). Beside them,
+two limits measured on the same ranks: "compute-only" (the slowest stage's
+forward and backward of all micro-batches with no communication and no
+waiting) and the bubble-limited ideal, compute-only x m / (m + p - 1).
+The measured bubble of a contender is 1 - compute-only time / its step time,
+printed next to (p - 1) / (m + p - 1). Peak activation memory per stage is
+what autograd saved for backward at its peak during one step
+(`hpdl.parallel.pipe.memory.ActivationMeter`, the same meter for everyone).
+
+Run it with `hpdl bench train --strategy pipeline [-n 2] [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from hpdl.bench import report
+from hpdl.bench.comm import _positive, run_worker
+
+__all__ = ["launch", "main", "CONTENDERS"]
+
+CONTENDERS = (
+    "hpdl-mpi-gpipe",
+    "hpdl-mpi-1f1b",
+    "hpdl-gloo-gpipe",
+    "hpdl-gloo-1f1b",
+    "torch-gpipe",
+    "torch-1f1b",
+    "single",
+)
+TARGET_VS_TORCH = 1.2
+BUBBLE_SLACK = 0.10
+LR = 0.01
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one run measures; every field is printed in the header and stored in each JSON record."""
+
+    ranks: int = 2
+    quick: bool = False
+    out: str = "bench-results/pipeline"
+    models: tuple[str, ...] = ("mlp", "transformer")
+    chunks: int = 8
+    rounds: int = 7
+    steps: int = 5
+    warmup: int = 3
+    timeout: float = 1800.0
+    worker: bool = False
+
+    def forwarded(self) -> list[str]:
+        args = ["--strategy", "pipeline", "--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
+        args += ["--steps", str(self.steps), "--chunks", str(self.chunks), "--models", *self.models]
+        return args + (["--quick"] if self.quick else [])
+
+
+def parse(argv: Sequence[str]) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="hpdl bench train --strategy pipeline",
+        description="Samples/s, bubble and activation memory of pipeline training: hpdl GPipe and 1F1B over MPI "
+        "and gloo beside torch.distributed.pipelining, one process, and the compute-only limits, in one launch.",
+    )
+    parser.add_argument("--strategy", default="pipeline", choices=["pipeline"], help=argparse.SUPPRESS)
+    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks = pipeline stages (default 2)")
+    parser.add_argument("--quick", action="store_true", help="small models, few rounds (a smoke test, seconds)")
+    parser.add_argument(
+        "--out", default="bench-results/pipeline", help="output folder (default bench-results/pipeline)"
+    )
+    parser.add_argument("--models", nargs="+", choices=["mlp", "transformer"], help="models (default: both)")
+    parser.add_argument("--chunks", type=_positive(int), default=8, help="micro-batches per step (default 8)")
+    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
+    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
+    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ns = parser.parse_args(list(argv))
+    if ns.ranks < 2:
+        parser.error(f"-n {ns.ranks}: a pipeline needs at least 2 ranks (one stage each)")
+    quick = bool(ns.quick)
+    return Options(
+        ranks=ns.ranks,
+        quick=quick,
+        out=ns.out,
+        models=tuple(ns.models or ("mlp", "transformer")),
+        chunks=ns.chunks,
+        rounds=ns.rounds or (2 if quick else 7),
+        steps=ns.steps or (2 if quick else 5),
+        warmup=1 if quick else 3,
+        timeout=ns.timeout,
+        worker=bool(ns.worker),
+    )
+
+
+def launch(argv: list[str]) -> int:
+    """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
+    try:
+        options = parse(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 0
+    name = "hpdl bench train --strategy pipeline"
+    return run_worker(name, "hpdl.bench.train_pipeline", options.ranks, options.forwarded(), options.timeout)
+
+
+# --------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    batch: int
+    describe: str
+    layers: Callable[[], list]
+    data: Callable[[Any], tuple]
+    loss: Callable[[Any, Any], Any]
+
+
+def workload(name: str, quick: bool) -> Workload:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    if name == "mlp":
+        width, batch, depth = (256, 64, 8) if quick else (1024, 256, 8)
+
+        def mlp() -> list:
+            return [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)] + [
+                nn.Linear(width, width)
+            ]
+
+        def mlp_data(g: Any) -> tuple:
+            return torch.randn(batch, width, generator=g), torch.randint(0, width, (batch,), generator=g)
+
+        return Workload(name, batch, f"{depth} x Linear({width}, {width}) + ReLU, batch {batch}", mlp, mlp_data,
+                        F.cross_entropy)  # fmt: skip
+
+    d, heads, blocks, seq, vocab, batch = (32, 2, 4, 16, 64, 16) if quick else (256, 4, 4, 64, 128, 32)
+
+    def transformer() -> list:
+        return transformer_layers(vocab, d, heads, blocks, seq)
+
+    def tokens(g: Any) -> tuple:
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def lm_loss(out: Any, y: Any) -> Any:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    text = f"transformer d={d} heads={heads} blocks={blocks} seq={seq} vocab={vocab}, batch {batch}"
+    return Workload(name, batch, text, transformer, tokens, lm_loss)
+
+
+def transformer_layers(vocab: int, d: int, heads: int, blocks: int, seq: int) -> list:
+    """A small causal language model as a list of layers: embedding, pre-norm blocks, norm + head."""
+    import torch
+    from torch import nn
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(seq, d) * 0.02)
+
+        def forward(self, x: Any) -> Any:
+            return self.tok(x) + self.pos[: x.shape[1]]
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+            self.mask: torch.Tensor
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+        def forward(self, x: Any) -> Any:
+            t = x.shape[1]
+            return self.layer(x, src_mask=self.mask[:t, :t], is_causal=True)
+
+    return [Embed(), *[Block() for _ in range(blocks)], nn.Sequential(nn.LayerNorm(d), nn.Linear(d, vocab))]
+
+
+# --------------------------------------------------------------------------- contenders
+@dataclass
+class Contender:
+    name: str
+    step: Callable[[Any, Any], float]
+    params: Callable[[], list]
+    sync: Callable[[], Any]
+    pipe: Any = None
+    losses: list = field(default_factory=list)
+
+
+def split_points(layers: int, ranks: int) -> list[int]:
+    from hpdl.parallel.pipe.balance import even
+
+    return even(layers, ranks)
+
+
+def make_contenders(w: Workload, options: Options, mpi: Any, gloo: Any) -> list[Contender]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from hpdl.parallel import Pipeline
+
+    rank, size = mpi.rank, mpi.size
+    counts = split_points(len(w.layers()), size)
+    start = sum(counts[:rank])
+    first, last = rank == 0, rank == size - 1
+
+    def fresh() -> list:
+        torch.manual_seed(0)
+        return w.layers()
+
+    def stage_layers() -> nn.Sequential:
+        return nn.Sequential(*fresh()[start : start + counts[rank]])
+
+    def sgd(params: Any) -> Any:
+        return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+    out = []
+    for name in CONTENDERS:
+        if name.startswith("hpdl"):
+            comm = mpi if "-mpi-" in name else gloo
+            pipe = Pipeline(nn.Sequential(*fresh()), comm, chunks=options.chunks, schedule=name.split("-")[-1],
+                            balance=counts, checkpoint="never")  # fmt: skip
+            opt = sgd(pipe.parameters())
+
+            def hpdl_step(x: Any, y: Any, pipe: Any = pipe, opt: Any = opt) -> float:
+                loss = pipe.step(x if first else None, y if last else None, w.loss)
+                opt.step()
+                opt.zero_grad()
+                return float(loss)
+
+            sync = mpi.barrier if comm is mpi else dist.barrier
+            out.append(Contender(name, hpdl_step, _params_of(pipe), sync, pipe))
+        elif name.startswith("torch"):
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            module = stage_layers()
+            stage = PipelineStage(module, rank, size, torch.device("cpu"))
+            kind = ScheduleGPipe if name.endswith("gpipe") else Schedule1F1B
+            schedule = kind(stage, options.chunks, loss_fn=w.loss)
+            opt = sgd(module.parameters())
+
+            def torch_step(x: Any, y: Any, schedule: Any = schedule, opt: Any = opt) -> float:
+                losses: list = []
+                if first:
+                    schedule.step(x)
+                elif last:
+                    schedule.step(target=y, losses=losses)
+                else:
+                    schedule.step()
+                opt.step()
+                opt.zero_grad()
+                return float(sum(float(v) for v in losses) / len(losses)) if losses else math.nan
+
+            out.append(Contender(name, torch_step, _params_of(module), dist.barrier))
+        else:
+            layers = fresh()
+            whole = nn.Sequential(*layers)
+            opt = sgd(whole.parameters())
+
+            def single_step(x: Any, y: Any, whole: Any = whole, opt: Any = opt) -> float:
+                if rank != 0:
+                    return math.nan
+                loss = w.loss(whole(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return float(loss.detach())
+
+            own = nn.Sequential(*layers[start : start + counts[rank]])
+            out.append(Contender(name, single_step, _params_of(own), dist.barrier))
+    return out
+
+
+def _params_of(module: Any) -> Callable[[], list]:
+    def params() -> list:
+        return list(module.parameters())
+
+    return params
+
+
+def compute_only(w: Workload, options: Options, rank: int, size: int, batches: list) -> float:
+    """Seconds of this stage's forward + backward of every micro-batch, alone (no communication, no waiting)."""
+    import torch
+    from torch import nn
+
+    from hpdl.parallel.pipe import microbatch
+
+    counts = split_points(len(w.layers()), size)
+    start = sum(counts[:rank])
+    torch.manual_seed(0)
+    layers = w.layers()
+    before, stage = nn.Sequential(*layers[:start]), nn.Sequential(*layers[start : start + counts[rank]])
+    x, y = batches[0]
+    xs, ys = microbatch.split(x, options.chunks), microbatch.split(y, options.chunks)
+    with torch.no_grad():
+        inputs = [before(xk) for xk in xs]
+    last = rank == size - 1
+
+    def run() -> None:
+        for xk, yk in zip(inputs, ys):
+            arg = xk.detach().requires_grad_(xk.dtype.is_floating_point)
+            out = stage(arg)
+            if last:
+                w.loss(out, yk).backward()
+            else:
+                out.backward(torch.ones_like(out))
+
+    for _ in range(options.warmup):
+        run()
+    times = []
+    for _ in range(max(3, options.rounds)):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def peak_activation(c: Contender, batches: list) -> int:
+    from hpdl.parallel.pipe.memory import ActivationMeter
+
+    x, y = batches[0]
+    c.sync()
+    with ActivationMeter(exclude=c.params()) as meter:
+        c.step(x, y)
+    c.sync()
+    return meter.peak
+
+
+def measure_model(name: str, options: Options, mpi: Any, gloo: Any) -> list[dict[str, Any]]:
+    import torch
+    from mpi4py import MPI
+
+    w = workload(name, options.quick)
+    g = torch.Generator().manual_seed(1234)
+    batches = [w.data(g) for _ in range(4)]  # the same data on every rank: stage 0 reads x, the last stage y
+    contenders = make_contenders(w, options, mpi, gloo)
+    for c in contenders:
+        c.sync()
+        for i in range(options.warmup):
+            c.losses.append(c.step(*batches[i % len(batches)]))
+        c.sync()
+    peaks = np.array([peak_activation(c, batches) for c in contenders], dtype=np.float64)
+    done = options.warmup + 1
+    times = np.zeros((len(contenders), options.rounds))
+    internal = np.zeros((len(contenders), options.rounds))
+    for r in range(options.rounds):
+        for i, c in enumerate(contenders):
+            c.sync()
+            started = time.perf_counter()
+            bubbles = []
+            for s in range(options.steps):
+                c.losses.append(c.step(*batches[(done + s) % len(batches)]))
+                if c.pipe is not None:
+                    bubbles.append(c.pipe.stats.bubble)
+            times[i, r] = time.perf_counter() - started
+            internal[i, r] = float(np.mean(bubbles)) if bubbles else math.nan
+            c.sync()
+        done += options.steps
+    world = mpi.mpi_comm
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a sample lasts until its slowest rank finishes
+    internal_all = np.zeros_like(internal)
+    world.Allreduce(internal, internal_all, op=MPI.SUM)
+    internal_all /= mpi.size
+    stage_seconds = world.allgather(compute_only(w, options, mpi.rank, mpi.size, batches))
+    peak_table = np.zeros((mpi.size, len(contenders)))
+    world.Allgather(peaks, peak_table)
+    # every contender trained the same model on the same data: compare each stage's parameters
+    reference = [p.detach() for p in contenders[CONTENDERS.index("hpdl-mpi-1f1b")].params()]
+    diffs = np.array([max(float((a.detach() - b).abs().max()) for a, b in zip(c.params(), reference))
+                      for c in contenders])  # fmt: skip
+    world.Allreduce(MPI.IN_PLACE, diffs, op=MPI.MAX)
+    losses = world.bcast([c.losses[-1] for c in contenders], root=mpi.size - 1)
+    single_loss = world.bcast(contenders[-1].losses[-1], root=0)
+    slowest = max(stage_seconds)
+    p, m = mpi.size, min(options.chunks, w.batch)
+    records = []
+    for i, c in enumerate(contenders):
+        samples = [w.batch * options.steps / t for t in times[i]]
+        step_s = float(np.median(times[i])) / options.steps
+        records.append(
+            {
+                "model": name,
+                "workload": w.describe,
+                "contender": c.name,
+                "ranks": 1 if c.name == "single" else p,
+                "batch": w.batch,
+                "microbatches": m,
+                "steps_per_sample": options.steps,
+                "samples_per_s": report.summarize(samples),
+                "step_ms": step_s * 1e3,
+                "bubble_measured": None if c.name == "single" else 1.0 - slowest / step_s,
+                "bubble_internal": None if math.isnan(internal_all[i].mean()) else float(np.median(internal_all[i])),
+                "bubble_formula": (p - 1) / (m + p - 1),
+                "peak_activation_bytes_per_stage": [float(v) for v in peak_table[:, i]]
+                if c.name != "single"
+                else [float(peak_table[0, i])],
+                "stage_compute_ms": [s * 1e3 for s in stage_seconds],
+                "compute_only_samples_per_s": w.batch / slowest,
+                "ideal_samples_per_s": w.batch / slowest * m / (m + p - 1),
+                "loss": single_loss if c.name == "single" else losses[i],
+                "max_param_diff_vs_hpdl_mpi_1f1b": float(diffs[i]),
+            }
+        )
+    return records
+
+
+# --------------------------------------------------------------------------- report
+HEADERS = [
+    "model",
+    "contender",
+    "samples/s",
+    "min-max",
+    "vs torch (same schedule)",
+    "of ideal",
+    "bubble measured",
+    "bubble (p-1)/(m+p-1)",
+    "hpdl busy-time bubble",
+    "peak activations MiB per stage",
+    "loss",
+    "max |param diff|",
+]
+
+
+def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str], list[str]]:
+    rows, verdicts, limits = [], [], []
+    for model in dict.fromkeys(r["model"] for r in records):
+        mine = {r["contender"]: r for r in records if r["model"] == model}
+        any_record = next(iter(mine.values()))
+        limits.append(
+            f"{model} ({any_record['workload']}): compute-only {any_record['compute_only_samples_per_s']:.0f} "
+            f"samples/s (stages {', '.join(f'{v:.1f}' for v in any_record['stage_compute_ms'])} ms per step), "
+            f"bubble-limited ideal {any_record['ideal_samples_per_s']:.0f} samples/s"
+        )
+        for name, r in mine.items():
+            s = r["samples_per_s"]["median"]
+            peer = f"torch-{name.split('-')[-1]}" if name.startswith("hpdl") else None
+            r["vs_torch"] = s / mine[peer]["samples_per_s"]["median"] if peer else None
+            r["of_ideal"] = s / r["ideal_samples_per_s"]
+            peaks = " / ".join(f"{v / 2**20:.1f}" for v in r["peak_activation_bytes_per_stage"])
+            rows.append(
+                [model, name, s, f"{r['samples_per_s']['min']:.0f}-{r['samples_per_s']['max']:.0f}", r["vs_torch"],
+                 r["of_ideal"], r["bubble_measured"], r["bubble_formula"] if name != "single" else None,
+                 r["bubble_internal"], peaks, r["loss"], r["max_param_diff_vs_hpdl_mpi_1f1b"]]
+            )  # fmt: skip
+        for schedule in ("gpipe", "1f1b"):
+            r = mine[f"hpdl-mpi-{schedule}"]
+            verdicts.append(
+                f"{'PASS' if r['vs_torch'] >= TARGET_VS_TORCH else 'MISS'} {model}: hpdl-mpi-{schedule} "
+                f"{r['vs_torch']:.2f}x torch-{schedule}'s samples/s (target >= {TARGET_VS_TORCH}x), "
+                f"{r['of_ideal']:.0%} of the bubble-limited ideal"
+            )
+            bound = r["bubble_formula"] * (1 + BUBBLE_SLACK)
+            verdicts.append(
+                f"{'PASS' if r['bubble_measured'] <= bound else 'MISS'} {model}: hpdl-mpi-{schedule} bubble "
+                f"{r['bubble_measured']:.3f} vs formula {r['bubble_formula']:.3f} (target <= {bound:.3f}; stages "
+                "balanced by layer count)"
+            )
+    return rows, verdicts, limits
+
+
+def write_report(options: Options, records: list[dict[str, Any]], config: dict[str, Any], elapsed: float) -> None:
+    rows, verdicts, limits = analyse(records)
+    table = report.markdown_table(HEADERS, rows, right_align_from=2)
+    header = (
+        f"hpdl bench train --strategy pipeline: {options.ranks} ranks = {options.ranks} stages (equal layer counts), "
+        f"{options.chunks} micro-batches, no recomputation, OMP_NUM_THREADS=1 and torch.set_num_threads(1) per "
+        f"rank, MPI {config['mpi_engine']}, torch {config['torch_version']}, {options.rounds} rounds x "
+        f"{options.steps} steps, SGD momentum 0.9, float32, synthetic data in memory"
+    )
+    notes = [
+        "samples/s = batch x steps / sample time (slowest rank); min-max over rounds; contenders alternate per round.",
+        "vs torch = against torch.distributed.pipelining with the same schedule on gloo.",
+        "of ideal = against the bubble-limited ideal: compute-only x m / (m + p - 1).",
+        "bubble measured = 1 - (slowest stage's compute-only time) / step time: idle and communication together.",
+        "hpdl busy-time bubble = hpdl's own count per stage: 1 - (forward + backward seconds) / step seconds.",
+        "peak activations = bytes autograd held for backward at the peak of one step, per stage (ActivationMeter).",
+        "max |param diff| = each stage's parameters after the same steps vs hpdl-mpi-1f1b (same trajectory).",
+        "single = rank 0 alone on the whole model and batch (no micro-batches); its loss is its own.",
+    ]
+    text = "\n".join(
+        ["# hpdl bench train --strategy pipeline", "", header, "", table, "", "Limits measured in this run:", ""]
+        + [f"- {line}" for line in limits]
+        + ["", *[f"- {n}" for n in notes], "", "## Targets", ""]
+        + [f"- {v}" for v in verdicts]
+    )
+    os.makedirs(options.out, exist_ok=True)
+    with open(os.path.join(options.out, "pipeline.md"), "w") as handle:
+        handle.write(text + "\n")
+    report.write_records(os.path.join(options.out, "pipeline.json"), records, config)
+    print(text)
+    print(f"\nwrote {options.out}/pipeline.md and pipeline.json in {elapsed:.0f} s")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
+    options = parse(sys.argv[1:] if argv is None else argv)
+    if not options.worker:
+        return launch(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    import hpdl
+
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    mpi = hpdl.init("mpi", timeout=300.0, debug=False)
+    gloo = hpdl.init("torch", timeout=300.0, debug=False)
+    if mpi.rank == 0:
+        print(f"{mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
+    records = []
+    for name in options.models:
+        records += measure_model(name, options, mpi, gloo)
+    if mpi.rank == 0:
+        config = report.environment(
+            benchmark="train",
+            strategy="pipeline",
+            quick=options.quick,
+            world_ranks=mpi.size,
+            rounds=options.rounds,
+            chunks=options.chunks,
+            checkpoint="never",
+            mpi_engine=mpi.engine,
+            gloo_engine=gloo.engine,
+            optimizer=f"SGD(lr={LR}, momentum=0.9)",
+        )
+        write_report(options, records, config, time.perf_counter() - started)
+    mpi.barrier()
+    hpdl.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

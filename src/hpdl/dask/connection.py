@@ -1,0 +1,449 @@
+"""Connections between the ranks of one MPI job: set-up, ordered messages, close.
+
+All traffic of the transport travels on one reserved tag of a communicator
+(COMM_WORLD by default). Between two ranks that tag is an ordered stream
+(MPI's non-overtaking rule), so many connections share it the way TCP
+streams share a link: every message starts with a header naming its
+connection (the initiator's connection id and which side sent it), and the
+frames of a large message follow their header on the same stream, matched by
+receives posted as soon as the header arrives (before the next probe). A
+connection is therefore a pair of ranks plus an id; connecting sends CONNECT
+to the listener's rank, which answers ACCEPT or REFUSE (no listener there).
+
+Every incoming message is received at once, whether or not anyone reads the
+connection yet (like a socket's receive buffer), so a sender never waits on
+its reader and closing never leaves a send hanging. CLOSE is answered by
+CLOSE; a side that has closed discards what still arrives for it.
+
+Only `Hub` touches MPI, and only from its progress thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import itertools
+import logging
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from hpdl.dask import frames as wire
+from hpdl.dask.progress import Progress
+from hpdl.errors import HpdlError
+
+__all__ = ["Channel", "Hub", "MPITransportError", "get_hub", "parse_location"]
+
+logger = logging.getLogger(__name__)
+Frames = list[memoryview]
+EOF = None
+"""What a channel's inbox yields after the last message of a closed connection."""
+
+
+class MPITransportError(HpdlError):
+    """The mpi:// transport cannot work here (MPI thread level, address of another job, stopped hub)."""
+
+
+class TransportStopped(MPITransportError, ConnectionError):
+    """The process is exiting: like a refused connection to distributed (an OSError), so nothing retries forever."""
+
+
+def parse_location(loc: str) -> tuple[int, str]:
+    """`"<rank>:<id>"` -> (rank, id); the id may be empty (any free id, when listening)."""
+    rank_text, _, ident = loc.partition(":")
+    try:
+        rank = int(rank_text)
+    except ValueError:
+        raise ValueError(f"mpi:// address {loc!r}: expected mpi://<rank>:<id>, e.g. mpi://0:1") from None
+    return rank, ident
+
+
+@dataclass
+class Inbox:
+    """The event-loop side of a connection: received messages in order, and at most one waiting reader."""
+
+    loop: asyncio.AbstractEventLoop
+    messages: list[Optional[Frames]] = field(default_factory=list)
+    waiter: Optional[asyncio.Future[Optional[Frames]]] = None
+    peer_closed: bool = False
+
+    def put(self, message: Optional[Frames]) -> None:  # on the loop
+        if message is EOF:
+            self.peer_closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(message)
+            self.waiter = None
+        else:
+            self.messages.append(message)
+
+    async def get(self) -> Optional[Frames]:
+        if self.messages:
+            return self.messages.pop(0)
+        if self.waiter is not None:
+            raise RuntimeError("mpi:// connection: only one reader at a time")
+        self.waiter = self.loop.create_future()
+        try:
+            return await self.waiter
+        finally:
+            self.waiter = None
+
+    def interrupt(self, error: BaseException) -> None:
+        """Fail a waiting reader (this side closed the connection, as closing a socket does)."""
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(error)
+
+    def at_eof(self) -> bool:
+        return bool(self.messages) and self.messages[0] is EOF
+
+
+@dataclass(eq=False)
+class Channel:
+    """One connection's state on the progress thread."""
+
+    peer: int
+    cid: int
+    initiator: bool
+    inbox: Optional[Inbox] = None
+    local_closed: bool = False
+    peer_closed: bool = False
+    receiving: list[tuple[list[Any], Optional[Frames]]] = field(default_factory=list)
+    """Messages whose frames are still arriving, oldest first (delivered in order); None frames: the CLOSE."""
+
+    @property
+    def key(self) -> tuple[int, int, bool]:
+        return (self.peer, self.cid, self.initiator)
+
+    @property
+    def side(self) -> int:
+        return 1 if self.initiator else 0
+
+
+@dataclass
+class ListenerEntry:
+    loop: asyncio.AbstractEventLoop
+    on_channel: Callable[[Channel], None]
+    """Called on `loop` with each accepted channel (its inbox already set)."""
+
+
+class Hub:
+    """This process's end of the transport: listeners, channels, and the protocol on the progress thread."""
+
+    def __init__(self, comm: Any = None, tag: Optional[int] = None) -> None:
+        from mpi4py import MPI
+
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        level = MPI.Query_thread()
+        if level < MPI.THREAD_SERIALIZED:
+            raise MPITransportError(
+                f"mpi:// needs MPI initialised with at least MPI_THREAD_SERIALIZED (got level {level}): "
+                "leave mpi4py.rc.thread_level at its default ('multiple') or set it to 'serialized'"
+            )
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        self.tag = tag if tag is not None else tag_ub - 0x4D  # a fixed tag near the top, the same on every rank
+        self.thread_level = level
+        self.hostname = MPI.Get_processor_name() or socket.gethostname()
+        self.hosts: dict[int, str] = {}
+        """rank -> host name, where known (`set_hosts`); else ranks count as hosts of their own."""
+        self.chunk = wire.chunk_bytes()
+        self.inline = wire.inline_limit()
+        self._listeners: dict[str, ListenerEntry] = {}
+        self._listener_ids = itertools.count(1)
+        self._cids = itertools.count(1)
+        self._channels: dict[tuple[int, int, bool], Channel] = {}
+        self._connecting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Channel]]] = {}
+        self._arriving: set[Channel] = set()
+        """Channels with messages not yet delivered."""
+        self._status = MPI.Status()
+        self.progress = Progress()
+        self.progress.add_poller(self._poll)
+
+    # ---------------------------------------------------------------- addresses
+    def host_of(self, rank: int) -> str:
+        if rank == self.rank:
+            return self.hostname
+        return self.hosts.get(rank, f"mpi-rank-{rank}")
+
+    def set_hosts(self, hosts: list[str]) -> None:
+        """Every rank's host name (from an allgather at cluster start): same-host ranks then count as such."""
+        self.hosts = dict(enumerate(hosts))
+
+    def check_rank(self, rank: int, address: str) -> None:
+        if not 0 <= rank < self.size:
+            raise MPITransportError(
+                f"{address}: rank {rank} is not in this MPI job (ranks 0..{self.size - 1}): mpi:// connects only "
+                "processes of one mpiexec job; use tcp:// for anything outside it"
+            )
+
+    # ---------------------------------------------------------------- listeners (any thread)
+    def listen(self, ident: str, loop: asyncio.AbstractEventLoop, on_channel: Callable[[Channel], None]) -> str:
+        """Register a listener and return its id (a fresh one when `ident` is empty or "0")."""
+
+        if ident and not ident.isdigit():
+            raise ValueError(f"mpi://{self.rank}:{ident}: a listener id is a number (or empty, or 0, for any free id)")
+
+        def op() -> str:
+            name = ident if ident not in ("", "0") else str(next(self._listener_ids))
+            if name in self._listeners:
+                raise OSError(f"mpi://{self.rank}:{name} is already listening")
+            self._listeners[name] = ListenerEntry(loop, on_channel)
+            return name
+
+        return self.progress.call(op)
+
+    def unlisten(self, ident: str) -> None:
+        self.progress.submit(lambda: self._listeners.pop(ident, None))
+
+    # ---------------------------------------------------------------- connections (event loop)
+    async def connect(self, rank: int, ident: str) -> Channel:
+        """Open a connection to listener `ident` on `rank`; ConnectionRefusedError if there is none (yet)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Channel] = loop.create_future()
+        self.progress.submit(functools.partial(_guarded, loop, future, self._start_connect, rank, ident, loop, future))
+        return await future
+
+    def send(self, channel: Channel, views: Frames, loop: asyncio.AbstractEventLoop) -> asyncio.Future[int]:
+        """Send one message (its frames); the future is done once MPI has every buffer (they may be reused)."""
+        future: asyncio.Future[int] = loop.create_future()
+        self.progress.submit(functools.partial(_guarded, loop, future, self._send, channel, views, loop, future))
+        return future
+
+    def close(self, channel: Channel) -> None:
+        self.progress.submit(lambda: self._close(channel))
+
+    async def wait_request(self, start: Callable[[], Any]) -> None:
+        """Start a non-blocking MPI operation on the progress thread (e.g. `lambda: comm.Ibarrier()`) and await it.
+
+        A blocking collective on the progress thread would stop this rank's
+        transport (no connection could be accepted while it waits)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def op() -> None:
+            self.progress.watch([start()], functools.partial(_resolve, loop, future))
+
+        self.progress.submit(op)
+        await future
+
+    # ---------------------------------------------------------------- progress thread
+    def _isend(self, buffer: Any, dest: int) -> Any:
+        return self.comm.Isend([buffer, self.MPI.BYTE], dest=dest, tag=self.tag)
+
+    def _control(self, dest: int, header: np.ndarray) -> None:
+        request = self._isend(header, dest)
+        self.progress.watch([request], _nothing, keep=header)
+
+    def _start_connect(
+        self, rank: int, ident: str, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Channel]
+    ) -> None:
+        try:
+            listener = int(ident)
+        except ValueError:
+            _resolve(loop, future, error=ValueError(f"mpi://{rank}:{ident}: the listener id must be an integer"))
+            return
+        cid = next(self._cids)
+        self._connecting[cid] = (loop, future)
+        self._control(rank, wire.pack_header(wire.Kind.CONNECT, cid, 1, listener))
+
+    def _send(self, channel: Channel, views: Frames, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        if channel.local_closed or channel.peer_closed:
+            from distributed.comm.core import CommClosedError
+
+            _resolve(loop, future, error=CommClosedError(f"mpi:// connection to rank {channel.peer} is closed"))
+            return
+        total = sum(v.nbytes for v in views)
+        if total <= self.inline:
+            buffers: list[Any] = [wire.pack_inline(channel.cid, channel.side, views)]
+        else:
+            header = wire.pack_header(wire.Kind.DATA, channel.cid, channel.side, len(views), *(v.nbytes for v in views))
+            buffers = [header] + [v[a:b] for v in views for a, b in wire.chunks(v.nbytes, self.chunk)]
+        requests = [self._isend(b, channel.peer) for b in buffers]
+        self.progress.watch(requests, functools.partial(_resolve, loop, future, total), keep=buffers)
+
+    def _close(self, channel: Channel) -> None:
+        if channel.local_closed:
+            return
+        channel.local_closed = True
+        self._control(channel.peer, wire.pack_header(wire.Kind.CLOSE, channel.cid, channel.side))
+        if channel.peer_closed:
+            self._channels.pop(channel.key, None)
+
+    def _poll(self) -> bool:
+        """Receive every message that has arrived; deliver completed ones in each connection's order."""
+        busy = False
+        while True:
+            message = self.comm.Improbe(self.MPI.ANY_SOURCE, self.tag, self._status)
+            if message is None:
+                break
+            busy = True
+            source = self._status.Get_source()
+            buffer = np.empty(self._status.Get_count(self.MPI.BYTE), dtype=np.uint8)
+            message.Recv([buffer, self.MPI.BYTE])
+            self._handle(source, buffer)
+        for channel in list(self._arriving):
+            busy = self._deliver(channel) or busy
+            if not channel.receiving:
+                self._arriving.discard(channel)
+        return busy
+
+    def _receive(self, channel: Channel, requests: list[Any], views: Optional[Frames]) -> None:
+        channel.receiving.append((requests, views))
+        self._arriving.add(channel)
+
+    def _handle(self, source: int, buffer: np.ndarray) -> None:
+        kind, cid, side, payload, inline = wire.unpack(buffer)
+        K = wire.Kind
+        if kind == K.CONNECT:
+            self._accept(source, cid, str(payload[0]))
+            return
+        if kind in (K.ACCEPT, K.REFUSE):
+            loop, future = self._connecting.pop(cid, (None, None))
+            if loop is None or future is None:
+                return
+            if kind == K.REFUSE:
+                error = ConnectionRefusedError(f"no mpi:// listener at mpi://{source}:{payload[0]}")
+                _resolve(loop, future, error=error)
+                return
+            channel = Channel(source, cid, True)
+            self._channels[channel.key] = channel
+            channel.inbox = Inbox(loop)
+
+            def connected() -> None:  # on the loop: a cancelled connect (timeout) closes the connection again
+                if future.cancelled():
+                    self.close(channel)
+                else:
+                    future.set_result(channel)
+
+            _call(loop, connected)
+            return
+        found = self._channels.get((source, cid, side == 0))
+        if kind == K.CLOSE:
+            if found is not None:
+                self._receive(found, [], None)  # EOF, after any data still in flight
+            return
+        if kind == K.INLINE:
+            if found is not None and not found.local_closed:
+                self._receive(found, [], inline)
+            return
+        # DATA: always receive its frames now (they are the next messages of this stream), then keep or drop them
+        views = wire.receive_buffers(payload)
+        requests = [
+            self.comm.Irecv([v[a:b], self.MPI.BYTE], source=source, tag=self.tag)
+            for v in views
+            for a, b in wire.chunks(v.nbytes, self.chunk)
+        ]
+        if found is not None and not found.local_closed:
+            self._receive(found, requests, views)
+        elif requests:  # a closed connection: receive and drop
+            self.progress.watch(requests, _nothing, keep=views)
+
+    def _accept(self, source: int, cid: int, ident: str) -> None:
+        entry = self._listeners.get(ident)
+        if entry is None:
+            self._control(source, wire.pack_header(wire.Kind.REFUSE, cid, 0, int(ident)))
+            return
+        channel = Channel(source, cid, False)
+        channel.inbox = Inbox(entry.loop)
+        self._channels[channel.key] = channel
+        self._control(source, wire.pack_header(wire.Kind.ACCEPT, cid, 0))
+        _call(entry.loop, functools.partial(entry.on_channel, channel))
+
+    def _deliver(self, channel: Channel) -> bool:
+        busy = False
+        while channel.receiving:
+            requests, views = channel.receiving[0]
+            if requests and not self.MPI.Request.Testall(requests):
+                break
+            channel.receiving.pop(0)
+            busy = True
+            inbox = channel.inbox
+            assert inbox is not None
+            if views is None:  # the peer's CLOSE
+                channel.peer_closed = True
+                if not channel.local_closed:
+                    self._close(channel)
+                self._channels.pop(channel.key, None)
+                _call(inbox.loop, functools.partial(inbox.put, EOF))
+                break
+            if not channel.local_closed:
+                _call(inbox.loop, functools.partial(inbox.put, views))
+        return busy
+
+    def stop(self) -> None:
+        """Stop the progress thread; if it is stuck inside MPI (a collective that never completes), abort the job:
+        finalising MPI under a thread that is still in a call would crash instead of reporting."""
+        self.progress.stop(timeout=10.0)
+        if self.progress.thread.is_alive():
+            frame = sys._current_frames().get(self.progress.thread.ident or -1)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+            print(
+                f"hpdl.dask: rank {self.rank}: the mpi:// progress thread is still inside an MPI call at exit; "
+                f"aborting the MPI job. It is at:\n{where}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.comm.Abort(1)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _guarded(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable[..., None], *args: Any) -> None:
+    """Run an operation on the progress thread; an error (an MPI error, say) fails its future, not the thread."""
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 - handed to the awaiting coroutine
+        _resolve(loop, future, error=error)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the loop has closed: nobody waits any more
+        pass
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future,
+    result: Any = None,
+    error: Optional[BaseException] = None,
+) -> None:
+    def done() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    _call(loop, done)
+
+
+_hub: Optional[Hub] = None
+_hub_lock = threading.Lock()
+
+
+def get_hub() -> Hub:
+    """This process's hub, started on first use (MPI initialised by mpi4py if it is not yet)."""
+    global _hub
+    with _hub_lock:
+        if _hub is not None and _hub.progress.error is not None:
+            raise MPITransportError(f"the mpi:// progress thread failed: {_hub.progress.error!r}")
+        if _hub is None:
+            _hub = Hub()
+            atexit.register(_hub.stop)
+        elif not _hub.progress.running:
+            raise TransportStopped("the mpi:// transport has been stopped in this process (it is shutting down)")
+        return _hub

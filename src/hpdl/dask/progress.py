@@ -1,0 +1,180 @@
+"""Drive non-blocking MPI requests without blocking any event loop and without spinning a core when idle.
+
+MPI offers no file descriptor that an event loop could wait on, and asyncio
+cannot sleep for less than a millisecond (epoll's timeout resolution); a Dask
+process also runs several event loops (the client's loop thread beside the
+main one). So one daemon thread per process, the only thread that calls MPI
+for the transport, runs the transport's operations, tests the outstanding
+requests and probes for incoming messages. Event loops hand it work through
+`submit` (a queue plus an event that wakes it at once) and get results back
+with `loop.call_soon_threadsafe`, which wakes a sleeping loop immediately.
+
+After any activity the thread keeps polling for `spin` (200 us: a reply
+often follows within that), then sleeps with exponential back-off (from
+`first` to `cap`, HPDL_DASK_POLL_MAX_US, default 1000 us), reset on any
+activity; while requests are in flight it keeps polling without sleeping
+(MPICH moves large shared-memory messages only inside MPI calls) for at most
+`hot` seconds since the last completion. Idle, that is at most one wake-up
+per millisecond: no core spins. Needs MPI_THREAD_SERIALIZED at least (every MPI call of
+the transport comes from this one thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
+
+__all__ = ["Backoff", "Progress"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Backoff:
+    """Sleep lengths for a poller: none while busy, then doubling from `first` up to `cap` (seconds)."""
+
+    first: float = 10e-6
+    cap: float = 1e-3
+    hot: float = 0.05
+    """Seconds to keep polling without sleeping while requests are in flight and nothing completes."""
+    spin: float = 200e-6
+    """Seconds to keep polling without sleeping after any activity (a reply often follows within this)."""
+    delay: float = 0.0
+    last_activity: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first <= self.cap:
+            raise ValueError(f"Backoff: need 0 < first ({self.first}) <= cap ({self.cap})")
+        self.last_activity = time.monotonic()
+
+    def activity(self) -> None:
+        self.delay = 0.0
+        self.last_activity = time.monotonic()
+
+    def next_delay(self, in_flight: bool) -> float:
+        """How long to sleep after an idle poll."""
+        quiet = time.monotonic() - self.last_activity
+        if quiet < self.spin or (in_flight and quiet < self.hot):
+            return 0.0
+        self.delay = min(self.cap, max(self.first, self.delay * 2))
+        return self.delay
+
+
+def poll_cap() -> float:
+    value = float(os.environ.get("HPDL_DASK_POLL_MAX_US", 1000))
+    if not 10 <= value <= 1_000_000:
+        raise ValueError(f"HPDL_DASK_POLL_MAX_US={value}: must be between 10 and 1000000 (microseconds)")
+    return value * 1e-6
+
+
+class Progress:
+    """The progress thread: runs submitted operations, completes request groups, calls the pollers."""
+
+    def __init__(self, name: str = "hpdl-mpi-progress", backoff: Optional[Backoff] = None) -> None:
+        self.backoff = backoff or Backoff(cap=poll_cap())
+        self._ops: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._groups: list[tuple[list[Any], Callable[[], None], Any]] = []
+        self._pollers: list[Callable[[], bool]] = []
+        self._stopping = False
+        self.drain_seconds = 2.0
+        """At stop, how long queued operations and in-flight sends may still take."""
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    # ---------------------------------------------------------------- any thread
+    def submit(self, op: Callable[[], Any]) -> None:
+        """Run `op()` on the progress thread soon (in submission order)."""
+        if self.error is not None:
+            raise RuntimeError(f"the mpi:// progress thread has failed: {self.error!r}") from self.error
+        self._ops.put(op)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
+        """Run `fn()` on the progress thread and return its result (blocks the caller, never an event loop)."""
+        if threading.current_thread() is self.thread:
+            return fn()
+        future: Future[T] = Future()
+
+        def op() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # noqa: BLE001 - handed back to the caller
+                future.set_exception(error)
+
+        self.submit(op)
+        return future.result(timeout=timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive() and not self._stopping
+
+    # ---------------------------------------------------------------- progress thread only
+    def watch(self, requests: list[Any], on_done: Callable[[], None], keep: Any = None) -> None:
+        """Call `on_done()` (on this thread) once every request of the group has completed.
+
+        `keep` (the requests' buffers) stays referenced until then: MPI reads and writes them meanwhile."""
+        self._groups.append((requests, on_done, keep))
+
+    def add_poller(self, poll: Callable[[], bool]) -> None:
+        """`poll()` runs every tick and says whether it found work."""
+        self._pollers.append(poll)
+
+    def _run(self) -> None:
+        testall: Any = None  # mpi4py is imported with the first request (importing it initialises MPI)
+        drain_until: Optional[float] = None
+        try:
+            while True:
+                if self._stopping:  # flush first: a CLOSE still queued tells a peer that this side has gone
+                    drain_until = drain_until or time.monotonic() + self.drain_seconds
+                    if (self._ops.empty() and not self._groups) or time.monotonic() > drain_until:
+                        break
+                busy = False
+                while True:
+                    try:
+                        op = self._ops.get_nowait()
+                    except queue.Empty:
+                        break
+                    op()
+                    busy = True
+                for poll in self._pollers:
+                    busy = poll() or busy
+                if self._groups:
+                    if testall is None:
+                        from mpi4py import MPI
+
+                        testall = MPI.Request.Testall
+                    pending = []
+                    for group in self._groups:
+                        if testall(group[0]):
+                            group[1]()
+                            busy = True
+                        else:
+                            pending.append(group)
+                    self._groups = pending
+                if busy:
+                    self.backoff.activity()
+                    continue
+                delay = self.backoff.next_delay(bool(self._groups))
+                if delay:
+                    self._wake.wait(delay)
+                    self._wake.clear()
+                else:
+                    time.sleep(0)  # let the event loops' threads take the GIL
+        except BaseException as error:  # noqa: BLE001 - reported to every later caller
+            self.error = error
+            logger.exception("mpi:// progress thread failed")

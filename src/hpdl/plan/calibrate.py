@@ -1,0 +1,341 @@
+"""Measure this machine and write it as a cluster: compute rate per dtype, memory bandwidth, collectives.
+
+- compute: square matmuls (2 n^3 FLOPs), one thread (what one rank with
+  OMP_NUM_THREADS=1 gets) and all cores (what the ranks of the node share);
+- per-layer overhead: forward and backward of a stack of tiny Linear layers
+  (framework dispatch, not arithmetic), divided by 3 x layers;
+- memory bandwidth: a large tensor copy (read + write);
+- collectives: allreduce and send/recv of hpdl's MPI communicator on 2
+  ranks (a short direct run, `python -m hpdl.plan.calibrate --worker`), or
+  the records of an `hpdl bench comm` run; latency and bandwidth are fitted
+  to the alpha-beta model (2-rank ring allreduce: 2 alpha + S / B).
+
+One node: the inter-node link is written equal to the intra-node one and
+marked as such. Numbers from a busy machine describe a busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+from hpdl.plan.cluster import GB, Cluster, Link
+
+__all__ = ["measure_compute", "measure_overhead", "measure_memory_bandwidth", "fit_alpha_beta",
+           "measure_collectives", "collectives_from_bench", "calibrate", "main"]  # fmt: skip
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
+
+
+def _best_time(fn: Any, reps: int) -> float:
+    """Median seconds of `reps` calls after one warm-up: the statistic `validate` reports for steps too."""
+    fn()
+    samples = []
+    for _ in range(max(reps, 1)):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_compute(size: int = 512, reps: int = 3, threads: Optional[int] = None) -> dict[str, float]:
+    """Matmul FLOP/s per dtype with `threads` torch threads (None: as set)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        rates = {}
+        for name, attr in DTYPES.items():
+            dtype = getattr(torch, attr)
+            a = torch.randn(size, size).to(dtype)
+            bm = torch.randn(size, size).to(dtype)
+            seconds = _best_time(lambda a=a, bm=bm: torch.mm(a, bm), reps)
+            rates[name] = 2.0 * size**3 / seconds
+        return rates
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measure_overhead(layers: int = 32, reps: int = 5) -> dict[str, float]:
+    """Fixed seconds per operator and per layer in forward (backward counted as two forwards), and per
+    parameter tensor in an Adam step: what a tiny model pays regardless of its FLOPs."""
+    import torch
+    from torch import nn
+
+    class Ops(nn.Module):
+        def __init__(self, count: int):
+            super().__init__()
+            self.count = count
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(self.count):
+                x = x * self.w
+            return x
+
+    x = torch.randn(1, 4)
+    many_ops = Ops(layers * 4)
+    per_op = _best_time(lambda: many_ops(x).sum().backward(), reps) / (3 * layers * 4)
+    chain = nn.Sequential(*[Ops(1) for _ in range(layers)])
+    per_layer = _best_time(lambda: chain(x).sum().backward(), reps) / (3 * layers) - per_op
+    params = [nn.Parameter(torch.ones(4)) for _ in range(layers)]
+    for p in params:
+        p.grad = torch.ones(4)
+    adam = torch.optim.Adam(params, lr=1e-3)
+    per_tensor = _best_time(adam.step, reps) / layers
+    # A whole step of a one-layer model, minus what the terms above already count: loss, autograd start,
+    # zero_grad and the optimizer's own dispatch, paid once per forward-backward pass.
+    tiny = nn.Linear(4, 4)
+    tiny_adam = torch.optim.Adam(tiny.parameters(), lr=1e-3)
+    y = torch.randint(0, 4, (1,))
+
+    def step() -> None:
+        nn.functional.cross_entropy(tiny(x), y).backward()
+        tiny_adam.step()
+        tiny_adam.zero_grad()
+
+    per_pass = _best_time(step, reps) - 3 * (per_layer + 2 * per_op) - 2 * per_tensor
+    return {"op": max(per_op, 0.0), "layer": max(per_layer, 0.0), "tensor": max(per_tensor, 0.0),
+            "pass": max(per_pass, 0.0)}  # fmt: skip
+
+
+def measure_optimizers(params: int = 1 << 20, reps: int = 3) -> dict[str, float]:
+    """Nanoseconds per parameter of one optimizer step (Adam; SGD with momentum), one thread, as ranks run it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for name, make in (
+            ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-3)),
+            ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)),
+        ):
+            p = torch.nn.Parameter(torch.ones(params))
+            p.grad = torch.full((params,), 1e-3)
+            opt = make([p])
+            out[name] = _best_time(opt.step, reps) / params * 1e9
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_memory_bandwidth(mbytes: int = 64, reps: int = 3) -> float:
+    """Bytes per second of a tensor copy (read and write counted)."""
+    import torch
+
+    n = mbytes * (1 << 20) // 4
+    src = torch.ones(n)
+    dst = torch.empty(n)
+    return 2 * n * 4 / _best_time(lambda: dst.copy_(src), reps)
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]], latency_factor: float, bandwidth_factor: float) -> Link:
+    """Least-squares fit of t = latency_factor * alpha + bandwidth_factor * S / B to (S bytes, t seconds) points.
+
+    Each point is weighted by 1/t, so that small messages (latency) and
+    large ones (bandwidth) count alike. A negative intercept (noise) becomes
+    the smallest message's time; a non-positive slope, the largest message's.
+    """
+    import numpy as np
+
+    if len(points) < 2:
+        raise ValueError("fit_alpha_beta: need at least two (size, time) points")
+    sizes = np.array([p[0] for p in points], dtype=float)
+    times = np.array([p[1] for p in points], dtype=float)
+    w = 1.0 / times
+    design = np.stack([latency_factor * np.ones_like(sizes), bandwidth_factor * sizes], axis=1) * w[:, None]
+    (alpha, inv_b), *_ = np.linalg.lstsq(design, times * w, rcond=None)
+    alpha = float(alpha)
+    if alpha <= 0:  # noise pushed the intercept below zero: the smallest message is all latency
+        alpha = float(times[np.argmin(sizes)]) / latency_factor
+    if inv_b <= 0:  # no visible bandwidth term: take it from the largest message alone
+        inv_b = max((times[-1] - latency_factor * alpha) / (bandwidth_factor * sizes[-1]), 1e-15)
+    return Link("measured", alpha, 1.0 / float(inv_b))
+
+
+# --------------------------------------------------------------------------- collectives
+SIZES = (4, 4096, 65536, 1 << 20, 4 << 20)
+QUICK_SIZES = (4, 65536, 1 << 20)
+
+
+def _worker(out: str, sizes: Sequence[int], reps: int) -> None:
+    """On every rank: time allreduce and a ping-pong; rank 0 writes the medians (seconds) as JSON."""
+    import statistics
+
+    import torch
+
+    import hpdl
+
+    comm = hpdl.init("mpi")
+    try:
+        results: dict[str, list[tuple[int, float]]] = {"allreduce": [], "sendrecv": []}
+        for nbytes in sizes:
+            t = torch.ones(max(1, nbytes // 4))
+            samples = []
+            for i in range(reps + 2):
+                comm.barrier()
+                start = time.perf_counter()
+                comm.allreduce(t)
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            results["allreduce"].append((nbytes, statistics.median(samples)))
+            samples = []
+            for i in range(reps + 2):
+                comm.barrier()
+                start = time.perf_counter()
+                if comm.rank == 0:
+                    comm.send(t, 1)
+                    comm.recv(t, 1)
+                elif comm.rank == 1:
+                    comm.recv(t, 0)
+                    comm.send(t, 0)
+                if i >= 2:
+                    samples.append((time.perf_counter() - start) / 2)
+            results["sendrecv"].append((nbytes, statistics.median(samples)))
+        if comm.rank == 0:
+            with open(out, "w") as fh:
+                json.dump({"ranks": comm.size, "engine": str(getattr(comm, "engine", "mpi")), **results}, fh)
+    finally:
+        hpdl.finalize()
+
+
+def measure_collectives(ranks: int = 2, quick: bool = False, timeout: float = 300.0) -> dict[str, Any]:
+    """Run the collective probe on `ranks` MPI ranks; returns the fitted links and the raw medians."""
+    from hpdl.runtime import spawn
+
+    sizes = QUICK_SIZES if quick else SIZES
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "collectives.json")
+        args = ["-m", "hpdl.plan.calibrate", "--worker", out, "--sizes", *map(str, sizes)]
+        args += ["--reps", "5" if quick else "20"]
+        env = spawn.job_environment("mpi", ranks)
+        env["OMP_NUM_THREADS"] = "1"
+        code = spawn.run(ranks, args, env=env, timeout=timeout, name="hpdl plan calibrate")
+        if code != 0 or not os.path.exists(out):
+            raise RuntimeError(f"hpdl plan calibrate: the {ranks}-rank collective probe failed (exit code {code})")
+        with open(out) as fh:
+            data = json.load(fh)
+    return _fit(data["ranks"], data["allreduce"], data["sendrecv"], source=f"direct probe ({data['engine']})")
+
+
+def collectives_from_bench(path: str, column: str = "hpdl-mpi") -> dict[str, Any]:
+    """Fit the links from the records of `hpdl bench comm` (comm.json)."""
+    with open(path) as fh:
+        records = json.load(fh)
+    chosen = [r for r in records if r.get("column") == column and r.get("section", "ops") != "copy"]
+    allreduce = sorted((int(r["bytes"]), r["median_us"] * 1e-6) for r in chosen if r.get("op") == "allreduce")
+    sendrecv = sorted((int(r["bytes"]), r["median_us"] * 1e-6) for r in chosen if r.get("op") == "sendrecv")
+    if len(allreduce) < 2:
+        raise ValueError(f"{path}: fewer than two allreduce records of column {column!r}; run `hpdl bench comm`")
+    ranks = int(chosen[0].get("ranks", 2))
+    return _fit(ranks, allreduce, sendrecv, source=f"hpdl bench comm records ({path}, {column})")
+
+
+def _fit(ranks: int, allreduce: Sequence[Any], sendrecv: Sequence[Any], source: str) -> dict[str, Any]:
+    n = ranks
+    # Ring allreduce on n ranks: 2 (n-1) alpha + 2 (n-1)/n S / B.
+    link = fit_alpha_beta([tuple(p) for p in allreduce], 2 * (n - 1), 2 * (n - 1) / n)
+    p2p = fit_alpha_beta([tuple(p) for p in sendrecv], 1, 1) if len(sendrecv) >= 2 else None
+    return {
+        "ranks": n,
+        "source": source,
+        "link": link,
+        "p2p": p2p,
+        "allreduce_s": [list(p) for p in allreduce],
+        "sendrecv_s": [list(p) for p in sendrecv],
+    }
+
+
+# --------------------------------------------------------------------------- the cluster
+def calibrate(
+    *,
+    devices: int = 4,
+    ranks: int = 2,
+    quick: bool = False,
+    bench_json: Optional[str] = None,
+    overlap: float = 0.0,
+    measure_comm: bool = True,
+) -> Cluster:
+    """Measure this machine and describe it as one node of `devices` devices (one single-threaded rank each).
+
+    `overlap` is not measured: on CPU the cores that compute also move the
+    bytes (shared-memory copies), so 0 (no hiding) is the default.
+    """
+    cores = os.cpu_count() or 1
+    size = 256 if quick else 512
+    single = measure_compute(size, 2 if quick else 3, threads=1)
+    node = measure_compute(size, 2 if quick else 3, threads=cores) if cores > 1 else dict(single)
+    node = {k: max(v, single[k]) for k, v in node.items()}
+    overhead = measure_overhead(16 if quick else 32, 3 if quick else 5)
+    bandwidth = measure_memory_bandwidth(32 if quick else 128, 3 if quick else 5)
+    optimizers = measure_optimizers(1 << 18 if quick else 1 << 21, 2 if quick else 3)
+    extra: dict[str, Any] = {"cores": cores, "matmul_size": size, "torch_threads_single": 1}
+    if bench_json:
+        comm = collectives_from_bench(bench_json)
+    elif measure_comm:
+        comm = measure_collectives(ranks, quick=quick)
+    else:
+        comm = None
+    if comm is not None:
+        intra = Link("shm (measured)", comm["link"].latency_s, comm["link"].bandwidth_Bps)
+        extra["collectives"] = comm["source"]
+        extra["allreduce_s"] = json.dumps(comm["allreduce_s"])
+        if comm["p2p"] is not None:
+            extra["p2p_latency_us"] = comm["p2p"].latency_s * 1e6
+            extra["p2p_bandwidth_GBps"] = comm["p2p"].bandwidth_Bps / GB
+    else:
+        intra = Link("shm (not measured: memory copy)", 5e-6, bandwidth / 2)
+        extra["collectives"] = "not measured; latency 5 us assumed, bandwidth = half the copy bandwidth"
+    ram: float
+    try:
+        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        ram = 8 * GB
+    host = socket.gethostname()
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return Cluster(
+        name=f"{host} ({devices} CPU ranks)",
+        nodes=1,
+        devices_per_node=devices,
+        memory_bytes=ram / devices,
+        flops=single,
+        node_flops=node,
+        intra=intra,
+        inter=Link("same as intra (one node)", intra.latency_s, intra.bandwidth_Bps),
+        efficiency=1.0,
+        memory_bandwidth_Bps=bandwidth,
+        layer_overhead_s=overhead["layer"],
+        op_overhead_s=overhead["op"],
+        tensor_overhead_s=overhead["tensor"],
+        pass_overhead_s=overhead["pass"],
+        optimizer_ns=optimizers,
+        overlap=overlap,
+        reserved_bytes=0.3 * GB,
+        source=f"measured on {host} at {when} by hpdl plan calibrate ({cores} cores{', quick' if quick else ''})",
+        extra=extra,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The collective probe's worker entry (`python -m hpdl.plan.calibrate --worker OUT`)."""
+    parser = argparse.ArgumentParser(prog="python -m hpdl.plan.calibrate")
+    parser.add_argument("--worker", required=True, help="JSON file rank 0 writes")
+    parser.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
+    parser.add_argument("--reps", type=int, default=20)
+    ns = parser.parse_args(argv)
+    _worker(ns.worker, ns.sizes, ns.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,476 @@
+"""Prediction against measurement: run every plan that fits on 1, 2 and 4 ranks and compare step times.
+
+For each world size and model (a small MLP and a small GPT), the planner
+searches the calibrated cluster of this machine; every candidate that fits
+(within a bounded set of micro-batch counts) is then run for a few steps
+with the real strategies (`hpdl.parallel.build`: DataParallel, ZeRO,
+Pipeline, tensor parallelism) in one MPI launch per world size, each plan
+after the other. The step time is the median over the timed steps of the
+slowest rank. Reported: predicted and measured side by side, the share of
+plans predicted within 25%, and whether the plan predicted best runs
+within 10% of the best measured one.
+
+Worker entry: `python -m hpdl.plan.validate --worker SPEC.json OUT.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["Options", "run", "summarize", "markdown", "plot", "MODELS", "main"]
+
+MODELS = ("mlp", "gpt")
+TOLERANCE = 0.25
+BEST_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Options:
+    """One validation run; the lead runs the full size on a quiet machine."""
+
+    ranks: tuple[int, ...] = (1, 2, 4)
+    models: tuple[str, ...] = MODELS
+    quick: bool = False
+    steps: int = 5
+    """Timed steps per plan (after `warmup`)."""
+    warmup: int = 1
+    max_micro_batches: int = 4
+    recompute: tuple[str, ...] = ("never", "always")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    cluster: Optional[str] = None
+    """A cluster file (from `hpdl plan calibrate`); None: calibrate now."""
+    out: str = "bench-results/plan"
+    timeout: float = 1800.0
+
+
+def quick_options(**overrides: Any) -> Options:
+    """A seconds-scale subset: 1 and 2 ranks, tiny models, 1F1B only, no recomputation, 2 timed steps."""
+    values: dict[str, Any] = dict(
+        ranks=(1, 2), quick=True, steps=2, warmup=1, max_micro_batches=2, recompute=("never",), schedules=("1f1b",)
+    )
+    values.update(overrides)
+    return Options(**values)
+
+
+# --------------------------------------------------------------------------- models (both sides use these)
+def model_spec(name: str, quick: bool) -> dict[str, Any]:
+    """Sizes of the validation models; the same dict travels to the worker."""
+    if name == "mlp":
+        return {"name": "mlp", "inputs": 64 if quick else 512, "width": 128 if quick else 1024,
+                "pairs": 2 if quick else 3, "classes": 16, "batch": 32 if quick else 128}  # fmt: skip
+    if name == "gpt":
+        return {"name": "gpt", "vocab": 64, "block": 16 if quick else 64, "layers": 2 if quick else 4, "heads": 4,
+                "embd": 32 if quick else 192, "batch": 8 if quick else 16}  # fmt: skip
+    raise ValueError(f"unknown validation model {name!r}; use {', '.join(MODELS)}")
+
+
+def build_model(spec: dict[str, Any]) -> tuple[Any, Callable[[int, int], tuple[Any, Any]], Callable[..., Any]]:
+    """(model, batch(seed, rows) -> (x, y), loss_fn) for a model spec."""
+    import torch
+    from torch import nn
+
+    if spec["name"] == "mlp":
+        layers: list[nn.Module] = []
+        width, inputs = spec["width"], spec["inputs"]
+        for i in range(spec["pairs"]):
+            # Megatron pairs: column (split outputs), ReLU, row (split inputs, outputs summed).
+            out = spec["classes"] if i == spec["pairs"] - 1 else inputs
+            layers += [nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, out)]
+            if i < spec["pairs"] - 1:
+                layers.append(nn.ReLU())
+        model = nn.Sequential(*layers)
+        plan = {}
+        for idx, layer in enumerate(model):
+            if isinstance(layer, nn.Linear):
+                plan[str(idx)] = "column" if layer.in_features == inputs else "row"
+        model.tp_plan = plan  # type: ignore[assignment]
+
+        def batch(seed: int, rows: int) -> tuple[Any, Any]:
+            g = torch.Generator().manual_seed(seed)
+            return torch.randn(rows, inputs, generator=g), torch.randint(0, spec["classes"], (rows,), generator=g)
+
+        return model, batch, nn.functional.cross_entropy
+    from hpdl.models.gpt import GPT, GPTConfig, lm_loss
+
+    config = GPTConfig(vocab_size=spec["vocab"], block_size=spec["block"], n_layer=spec["layers"],
+                       n_head=spec["heads"], n_embd=spec["embd"])  # fmt: skip
+    gpt = GPT(config)
+
+    def tokens(seed: int, rows: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, spec["vocab"], (rows, spec["block"] + 1), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+
+    return gpt, tokens, lm_loss
+
+
+# --------------------------------------------------------------------------- worker (every rank)
+def _run_plan(comm: Any, fields: dict[str, Any], spec: dict[str, Any], steps: int, warmup: int) -> list[float]:
+    """Step times (seconds, this rank) of one plan on `comm`."""
+    import torch
+
+    from hpdl.parallel.mesh import Mesh, build
+    from hpdl.parallel.plan_config import Plan
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = build_model(spec)
+    plan = Plan(**fields)
+    mesh = Mesh.from_plan(comm, plan)
+    try:
+        wrapped, optimizer = build(model, mesh, plan, optimizer=torch.optim.Adam, lr=1e-3)
+        coords = mesh.coordinates()
+        rows = spec["batch"] // plan.dp
+        if plan.tp > 1 and spec["name"] == "gpt":
+            from hpdl.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+
+            tp_comm = mesh.tp
+
+            def loss(out: Any, y: Any) -> Any:
+                return vocab_parallel_cross_entropy(out, y, tp_comm)
+        else:
+            loss = loss_fn
+        times = []
+        for i in range(warmup + steps):
+            x, y = batch(1000 * i + coords["dp"], rows)
+            comm.barrier()
+            start = time.perf_counter()
+            if plan.pp > 1:
+                wrapped.step(x, y, loss)
+            else:
+                loss(wrapped(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        return times
+    finally:
+        mesh.close()
+
+
+def _worker(spec_path: str, out_path: str) -> None:
+    import torch
+
+    import hpdl
+
+    with open(spec_path) as fh:
+        job = json.load(fh)
+    comm = hpdl.init("mpi")
+    results = []
+    try:
+        for item in job["plans"]:
+            error = ""
+            try:
+                times = _run_plan(comm, item["fields"], job["models"][item["model"]], job["steps"], job["warmup"])
+            except Exception as exc:  # one plan's failure is a row of the report, not the end of the run
+                times = []
+                error = f"{type(exc).__name__}: {exc}"
+                if os.environ.get("HPDL_PLAN_DEBUG"):
+                    error += "\n" + traceback.format_exc()
+            # The step of the slowest rank: gather every rank's median, or its failure.
+            mine = statistics.median(times) if times else float("nan")
+            gathered = comm.allgather_object((mine, error, [float(t) for t in times]))
+            errors = [e for _, e, _ in gathered if e]
+            medians = [m for m, _, _ in gathered]
+            per_step = [max(ts) for ts in zip(*[t for _, _, t in gathered])] if not errors else []
+            results.append(
+                {
+                    "id": item["id"],
+                    "measured_s": max(medians) if not errors else None,
+                    "steps_s": per_step,
+                    "error": errors[0] if errors else "",
+                }
+            )
+            torch.manual_seed(0)
+        if comm.rank == 0:
+            with open(out_path, "w") as fh:
+                json.dump(results, fh)
+    finally:
+        hpdl.finalize()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpdl.plan.validate")
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
+    ns = parser.parse_args(argv)
+    _worker(*ns.worker)
+    return 0
+
+
+# --------------------------------------------------------------------------- parent
+@dataclass
+class Outcome:
+    """Every record, the per-(model, ranks) summaries and where the files went."""
+
+    records: list[dict[str, Any]]
+    groups: list[dict[str, Any]]
+    cluster: Any
+    files: list[str] = field(default_factory=list)
+    load: tuple[float, float] = (0.0, 0.0)
+    """One-minute load average before and after the runs, per core: timings from a busy machine are noise."""
+
+    @property
+    def within_share(self) -> float:
+        measured = [r for r in self.records if r["measured_s"]]
+        return sum(r["within_25"] for r in measured) / len(measured) if measured else float("nan")
+
+    @property
+    def best_ok(self) -> bool:
+        return all(g["best_within_10"] for g in self.groups if g["best_within_10"] is not None)
+
+
+def predictions(options: Options, cluster: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Every (model, ranks, plan) the planner finds feasible, with its predicted step time."""
+    import torch
+
+    from hpdl.plan.cost import Workload
+    from hpdl.plan.profile import measure
+    from hpdl.plan.search import plan_fields, search
+
+    rows: list[dict[str, Any]] = []
+    specs = {}
+    for name in options.models:
+        spec = model_spec(name, options.quick)
+        specs[name] = spec
+        model, batch, _ = build_model(spec)
+
+        def example(rows: int, make: Callable[[int, int], tuple[Any, Any]] = batch) -> Any:
+            return make(0, rows)[0]
+
+        reps = 2 if options.quick else 5
+        profile = measure(model, example, name=name, batch=2, time_batches=(2, spec["batch"]), reps=reps)
+        workload = Workload(batch=spec["batch"], precision="fp32", optimizer="adam")
+        for n in options.ranks:
+            sized = cluster if cluster.devices >= n else cluster.with_devices(1, n)
+            result = search(
+                profile,
+                sized,
+                workload,
+                devices=n,
+                max_micro_batches=options.max_micro_batches,
+                schedules=options.schedules,
+                recompute=options.recompute,
+                measured=True,
+            )
+            for e in result.feasible:
+                rows.append(
+                    {
+                        "id": len(rows),
+                        "model": name,
+                        "ranks": n,
+                        "plan": e.candidate.label(),
+                        "fields": plan_fields(e.candidate, workload, e.stage_layers),
+                        "predicted_s": e.step_s,
+                        "breakdown": {k: v for k, v in e.to_dict().items() if k.endswith("_s")},
+                    }
+                )
+        del model
+    torch.manual_seed(0)
+    return rows, specs
+
+
+def measure_plans(
+    rows: list[dict[str, Any]], specs: dict[str, Any], options: Options, ranks: int
+) -> dict[int, dict[str, Any]]:
+    """Run every plan of `rows` for `ranks` ranks in one MPI launch; results by row id."""
+    from hpdl.runtime import spawn
+
+    chosen = [r for r in rows if r["ranks"] == ranks]
+    if not chosen:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as fh:
+            json.dump({"plans": chosen, "models": specs, "steps": options.steps, "warmup": options.warmup}, fh)
+        env = spawn.job_environment("mpi", ranks)
+        env["OMP_NUM_THREADS"] = "1"
+        env.setdefault("HPDL_TIMEOUT", "120")  # a plan that fails on one rank must not hold the others for long
+        code = spawn.run(ranks, ["-m", "hpdl.plan.validate", "--worker", spec_path, out_path], env=env,
+                         timeout=options.timeout, name="hpdl plan validate")  # fmt: skip
+        if code != 0 or not os.path.exists(out_path):
+            raise RuntimeError(f"hpdl plan validate: the {ranks}-rank run failed (exit code {code})")
+        with open(out_path) as fh:
+            return {r["id"]: r for r in json.load(fh)}
+
+
+def run(options: Options) -> Outcome:
+    """Calibrate (or load the cluster), predict, measure, compare, and write JSON, Markdown and PNG."""
+    from hpdl.plan.calibrate import calibrate
+    from hpdl.plan.cluster import load_cluster_file
+
+    top = max(options.ranks)
+    load_before = _load()
+    if options.cluster:
+        cluster = load_cluster_file(options.cluster)
+    else:
+        cluster = calibrate(devices=top, quick=options.quick)
+    rows, specs = predictions(options, cluster)
+    for n in options.ranks:
+        measured = measure_plans(rows, specs, options, n)
+        for r in rows:
+            if r["ranks"] == n:
+                got = measured.get(r["id"], {})
+                r["measured_s"] = got.get("measured_s")
+                r["steps_s"] = got.get("steps_s", [])
+                r["error"] = got.get("error", "not run")
+    records, groups = summarize(rows)
+    outcome = Outcome(records, groups, cluster, load=(load_before, _load()))
+    outcome.files = write(outcome, options)
+    return outcome
+
+
+def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Add ratio and within-25% to each record; per (model, ranks): predicted best vs measured best."""
+    for r in rows:
+        m = r.get("measured_s")
+        r["ratio"] = r["predicted_s"] / m if m else None
+        r["within_25"] = bool(m and abs(r["predicted_s"] - m) <= TOLERANCE * m)
+    groups = []
+    keys = sorted({(r["model"], r["ranks"]) for r in rows})
+    for model, n in keys:
+        group = [r for r in rows if r["model"] == model and r["ranks"] == n and r.get("measured_s")]
+        if not group:
+            groups.append({"model": model, "ranks": n, "plans": 0, "best_within_10": None})
+            continue
+        predicted = min(group, key=lambda r: r["predicted_s"])
+        measured = min(group, key=lambda r: r["measured_s"])
+        slowdown = predicted["measured_s"] / measured["measured_s"]
+        groups.append(
+            {
+                "model": model,
+                "ranks": n,
+                "plans": len(group),
+                "predicted_best": predicted["plan"],
+                "measured_best": measured["plan"],
+                "predicted_best_measured_s": predicted["measured_s"],
+                "measured_best_s": measured["measured_s"],
+                "slowdown": slowdown,
+                "best_within_10": slowdown <= 1 + BEST_TOLERANCE,
+                "within_25_share": sum(r["within_25"] for r in group) / len(group),
+            }
+        )
+    return rows, groups
+
+
+def markdown(outcome: Outcome) -> str:
+    from hpdl.plan.report import markdown_table
+
+    rows = [
+        [r["model"], r["ranks"], r["plan"], f"{r['predicted_s'] * 1e3:.2f}",
+         f"{r['measured_s'] * 1e3:.2f}" if r.get("measured_s") else "-",
+         f"{r['ratio']:.2f}" if r.get("ratio") else "-", "yes" if r["within_25"] else "no",
+         (r.get("error") or "")[:60]]
+        for r in outcome.records
+    ]  # fmt: skip
+    table = markdown_table(["model", "ranks", "plan", "predicted ms", "measured ms", "pred/meas", "within 25%",
+                            "error"], rows)  # fmt: skip
+    best_rows = [
+        [g["model"], g["ranks"], g["plans"], g.get("predicted_best", "-"), g.get("measured_best", "-"),
+         f"{g['slowdown']:.2f}" if g.get("slowdown") else "-",
+         {True: "yes", False: "no", None: "-"}[g["best_within_10"]]]
+        for g in outcome.groups
+    ]  # fmt: skip
+    best = markdown_table(["model", "ranks", "plans run", "predicted best", "measured best",
+                           "its time / best", "within 10%"], best_rows)  # fmt: skip
+    share = outcome.within_share
+    lines = [
+        f"cluster: {outcome.cluster.name} ({outcome.cluster.source})",
+        f"load average per core: {outcome.load[0]:.2f} before, {outcome.load[1]:.2f} after"
+        + (" (busy before the runs: the measured times are not trustworthy)" if outcome.load[0] > 0.5 else ""),
+        "",
+        table,
+        "",
+        best,
+        "",
+        f"predicted within 25% of measured: {share:.0%} of plans (target >= 80%); predicted best within 10% of "
+        f"the measured best: {'yes' if outcome.best_ok else 'no'} in every group"
+        if share == share
+        else "no plan was measured",
+    ]
+    return "\n".join(lines)
+
+
+def plot(path: str, outcome: Outcome) -> bool:
+    """Predicted vs measured step time, log-log, with y = x and the 25% band."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    measured = [r for r in outcome.records if r.get("measured_s")]
+    if not measured:
+        return False
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    markers = {1: "o", 2: "s", 4: "^"}
+    for model in sorted({r["model"] for r in measured}):
+        for n in sorted({r["ranks"] for r in measured}):
+            pts = [r for r in measured if r["model"] == model and r["ranks"] == n]
+            if pts:
+                ax.scatter([r["measured_s"] * 1e3 for r in pts], [r["predicted_s"] * 1e3 for r in pts],
+                           marker=markers.get(n, "x"), label=f"{model}, {n} ranks", alpha=0.8)  # fmt: skip
+    values = [r["measured_s"] * 1e3 for r in measured] + [r["predicted_s"] * 1e3 for r in measured]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", linewidth=1, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="grey", alpha=0.2,
+                    label="within 25%")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(f"hpdl plan validate: {outcome.within_share:.0%} within 25%", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(outcome: Outcome, options: Options) -> list[str]:
+    os.makedirs(options.out, exist_ok=True)
+    config = {"options": options.__dict__, "cluster": outcome.cluster.to_dict(), "load_per_core": outcome.load}
+    paths = []
+    json_path = os.path.join(options.out, "validate.json")
+    with open(json_path, "w") as fh:
+        json.dump({"config": config, "records": outcome.records, "groups": outcome.groups,
+                   "within_25_share": outcome.within_share, "best_within_10": outcome.best_ok}, fh, indent=1,
+                  default=str)  # fmt: skip
+    paths.append(json_path)
+    md_path = os.path.join(options.out, "validate.md")
+    with open(md_path, "w") as fh:
+        fh.write("# hpdl plan validate\n\n" + markdown(outcome) + "\n")
+    paths.append(md_path)
+    png = os.path.join(options.out, "validate.png")
+    if plot(png, outcome):
+        paths.append(png)
+    return paths
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return float("nan")
+
+
+def parse_ranks(values: Sequence[str]) -> tuple[int, ...]:
+    ranks = tuple(sorted({int(v) for v in values}))
+    if not ranks or min(ranks) < 1 or max(ranks) > 4:
+        raise ValueError(f"--ranks {list(values)}: use 1 to 4 ranks (the machine has few cores)")
+    return ranks
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

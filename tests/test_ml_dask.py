@@ -1,0 +1,83 @@
+"""hpdl.ml on a Dask array (LocalCluster, 2 in-process workers) equals the one-process fit on the same data.
+
+Tolerances as in test_ml_local: the blocks only reorder float64 sums (1e-9
+relative for centres/inertia, 1e-8 for coefficients; neighbours exact).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_diabetes, load_digits, load_iris
+
+from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors, Ridge
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
+    with distributed.Client(cluster) as c:
+        yield c
+    cluster.close()
+
+
+def test_kmeans_on_dask_equals_one_process(client):
+    X = load_iris().data
+    w = np.random.default_rng(0).uniform(0.5, 2.0, len(X))
+    dX, dw = da.from_array(X, chunks=(40, 4)), da.from_array(w, chunks=40)  # 4 uneven blocks
+    init = X[[0, 50, 100]]
+    ours = KMeans(3, init=init, n_init=1).fit(dX, sample_weight=dw)
+    ref = KMeans(3, init=init, n_init=1).fit(X, sample_weight=w)
+    np.testing.assert_allclose(ours.cluster_centers_, ref.cluster_centers_, rtol=1e-9)
+    assert ours.inertia_ == pytest.approx(ref.inertia_, rel=1e-9) and ours.n_iter_ == ref.n_iter_
+    assert isinstance(ours.labels_, da.Array)
+    np.testing.assert_array_equal(ours.labels_.compute(), ref.labels_)
+    np.testing.assert_array_equal(ours.predict(dX).compute(), ref.predict(X))
+    np.testing.assert_allclose(ours.transform(dX).compute(), ref.transform(X), rtol=1e-9)
+    assert ours.score(dX) == pytest.approx(ref.score(X), rel=1e-9)
+    far = np.array([X[0], X[1], [50.0] * 4, [60.0] * 4])  # empty clusters relocated across blocks
+    np.testing.assert_allclose(
+        KMeans(4, init=far, n_init=1).fit(dX).cluster_centers_, KMeans(4, init=far, n_init=1).fit(X).cluster_centers_
+    )
+    auto = KMeans(3, random_state=0).fit(dX)  # k-means|| by default on distributed data
+    assert auto.inertia_ <= 1.05 * KMeans(3, n_init=10, random_state=0).fit(X).inertia_
+    bad = X.copy()
+    bad[7, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        KMeans(3).fit(da.from_array(bad, chunks=50))
+
+
+def test_linear_models_on_dask_equal_one_process(client):
+    X, y = load_diabetes(return_X_y=True)
+    dX, dy = da.from_array(X, chunks=(100, 10)), da.from_array(y, chunks=100)
+    for ours, ref in (
+        (LinearRegression(), LinearRegression()),
+        (Ridge(alpha=0.5, solver="tsqr"), Ridge(alpha=0.5)),
+    ):
+        ours.fit(dX, dy)
+        ref.fit(X, y)
+        np.testing.assert_allclose(ours.coef_, ref.coef_, rtol=1e-8)
+        assert ours.intercept_ == pytest.approx(ref.intercept_, rel=1e-8)
+        np.testing.assert_allclose(ours.predict(dX).compute(), ref.predict(X), rtol=1e-9)
+        assert ours.score(dX, dy) == pytest.approx(ref.score(X, y), rel=1e-9)
+
+
+def test_neighbours_on_dask_equal_one_process(client):
+    X, y = load_digits(return_X_y=True)
+    dX, dy = da.from_array(X[:1500], chunks=(400, 64)), da.from_array(y[:1500], chunks=400)
+    queries = X[1500:]
+    od, oi = NearestNeighbors(n_neighbors=4).fit(dX).kneighbors(queries)
+    rd, ri = NearestNeighbors(n_neighbors=5).fit(X[:1500]).kneighbors(queries)
+    np.testing.assert_allclose(od, rd[:, :4], rtol=1e-9)
+    clear = np.all(np.diff(rd, axis=1) > 1e-9, axis=1)  # tied distances may take either index
+    np.testing.assert_array_equal(oi[clear], ri[clear, :4])
+    clf = KNeighborsClassifier(5, weights="distance").fit(dX, dy)
+    np.testing.assert_array_equal(clf.classes_, np.arange(10))
+    ref = KNeighborsClassifier(5, weights="distance").fit(X[:1500], y[:1500])
+    np.testing.assert_array_equal(clf.predict(queries)[clear], ref.predict(queries)[clear])
+    reg = KNeighborsRegressor(3).fit(dX, dy.astype(float))
+    ref_reg = KNeighborsRegressor(3).fit(X[:1500], y[:1500])
+    np.testing.assert_allclose(reg.predict(queries)[clear], ref_reg.predict(queries)[clear])

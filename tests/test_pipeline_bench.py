@@ -1,0 +1,57 @@
+"""The pipeline's benchmark (`--quick`), lab and docs run end to end; structure is checked, never timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hpdl.bench.train_pipeline import CONTENDERS, launch
+from hpdl.parallel.pipe.schedule import make_schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_benchmark_writes_every_contender(tmp_path: Path) -> None:
+    code = launch(["--quick", "--models", "mlp", "--rounds", "1", "--steps", "1", "--out", str(tmp_path)])
+    assert code == 0
+    records = json.loads((tmp_path / "pipeline.json").read_text())
+    assert {r["contender"] for r in records} == set(CONTENDERS)
+    for r in records:
+        assert r["samples_per_s"]["median"] > 0 and r["torch_version"] and r["microbatches"] == 8
+        assert r["bubble_formula"] == 1 / 9 and r["ideal_samples_per_s"] > 0
+        if r["contender"] != "single":
+            assert len(r["peak_activation_bytes_per_stage"]) == 2 and min(r["peak_activation_bytes_per_stage"]) > 0
+            assert r["max_param_diff_vs_hpdl_mpi_1f1b"] < 1e-4  # hpdl and torch train the same trajectory
+    by_name = {r["contender"]: r for r in records}
+    # GPipe holds all micro-batches on stage 0, 1F1B at most 2 (p = 2): the same meter for hpdl and torch
+    for prefix in ("hpdl-mpi", "torch"):
+        assert by_name[f"{prefix}-gpipe"]["peak_activation_bytes_per_stage"][0] > (
+            2 * by_name[f"{prefix}-1f1b"]["peak_activation_bytes_per_stage"][0]
+        )
+    markdown = (tmp_path / "pipeline.md").read_text()
+    assert "## Targets" in markdown and ("PASS" in markdown or "MISS" in markdown)
+
+
+def test_bad_benchmark_arguments_return_an_exit_code() -> None:
+    assert launch(["--strategy", "pipeline", "-n", "1"]) == 2
+
+
+def test_the_lab_trains_and_checks_its_claims() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hpdl.cli.main", "launch", "-n", "2", str(ROOT / "examples" / "lab_pipeline.py"),
+         "--steps", "25", "--batch", "8"],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("(fell: True); same on every rank: True") == 2, done.stdout
+    assert re.search(r"rank 0: peak 2 <= 2 <= stages 2: True", done.stdout), done.stdout
+
+
+def test_the_docs_show_the_schedules_the_engine_runs() -> None:
+    text = (ROOT / "docs" / "pipeline.md").read_text()
+    for name in ("gpipe", "1f1b"):
+        assert make_schedule(name, 4, 6).draw() in text

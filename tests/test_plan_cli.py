@@ -1,0 +1,152 @@
+"""`hpdl plan` as a user runs it: memory, search (reference and user models), calibrate, validate --quick, the lab."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hpdl(*args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "hpdl.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def plan_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`hpdl plan ARGS` in this process (the same function the command calls)."""
+    from hpdl.cli.plan import run_argv
+
+    code = run_argv(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_memory_reproduces_the_zero_paper_in_text_and_json(capsys):
+    args = ["plan", "memory", "--params", "7.5e9", "--dp", "64", "--optimizer", "adam", "--precision", "mixed"]
+    _, text, _ = plan_cli(capsys, *args[1:], "--pp", "4", "--micro-batches", "8")
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in text.splitlines() if "|" in line}
+    assert (rows["DP"], rows["ZeRO-1"], rows["ZeRO-2"], rows["ZeRO-3"]) == ("120.0", "31.4", "16.6", "1.875")
+    assert "3/11" in text  # GPipe bubble (p-1)/(m+p-1) for p=4, m=8
+    code, out, _ = plan_cli(capsys, *args[1:], "--json")
+    data = json.loads(out)
+    assert code == 0 and [r["total_GB"] for r in data["rows"]] == [120.0, 31.40625, 16.640625, 1.875]
+
+
+def test_search_of_a_reference_model_on_an_inline_cluster_writes_a_plan_file(tmp_path, capsys):
+    from hpdl.parallel.plan_config import Plan
+
+    out = tmp_path / "plan.toml"
+    cluster = "nodes=4,gpus_per_node=8,gpu=a100-40,intra=nvlink,inter=ib-200"
+    code, text, _ = plan_cli(capsys, "--model", "gpt2-large", "--batch", "256", "--cluster", cluster, "--json",
+                             "--out", str(out))  # fmt: skip
+    data = json.loads(text)
+    assert data["devices"] == 32 and data["feasible"] > 0 and data["candidates"] >= data["feasible"]
+    best = data["best"]
+    assert best["dp"] * best["pp"] * best["tp"] == 32 and best["fits"]
+    parts = ("compute_s", "tp_comm_s", "p2p_s", "bubble_s", "dp_comm_s", "optimizer_s")
+    assert sum(best[k] for k in parts) == pytest.approx(best["step_s"])
+    plan = Plan.from_file(str(out))
+    assert (plan.dp, plan.pp, plan.tp, plan.zero_stage) == (best["dp"], best["pp"], best["tp"], best["zero_stage"])
+    assert plan.validate(world_size=32) is not None
+
+
+def test_search_table_says_why_the_best_wins(capsys):
+    cluster = "nodes=4,gpus_per_node=8,gpu=a100-40,intra=nvlink,inter=ib-200"
+    code, text, _ = plan_cli(capsys, "--model", "gpt2-large", "--batch", "256", "--cluster", cluster, "--top", "3")
+    assert code == 0 and "| #" in text and "Best: " in text and "slower" in text
+
+
+def test_search_of_a_user_model_file_and_clear_errors(tmp_path, capsys):
+    model = tmp_path / "mymodel.py"
+    model.write_text(
+        "import torch\n"
+        "def make_model():\n"
+        "    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])\n"
+        "def example_input(batch):\n"
+        "    return torch.randn(batch, 256)\n"
+    )
+    code, out, _ = plan_cli(capsys, "--model", f"{model}:make_model", "--batch", "64", "--cluster", "h100",
+                            "--precision", "fp32", "--json")  # fmt: skip
+    data = json.loads(out)
+    assert code == 0 and data["model"]["params"] == 6 * (256 * 256 + 256)
+    assert data["best"]["tp"] == 1  # no tp_plan on the model: the planner does not split its layers
+    code, _, err = plan_cli(capsys, "--model", "nosuchmodel", "--batch", "8", "--cluster", "h100")
+    assert code == 2 and "not a reference model" in err
+    code, _, err = plan_cli(capsys, "--model", f"{model}:nothing", "--batch", "8", "--cluster", "h100")
+    assert code == 2 and "no callable 'nothing'" in err
+    code, _, err = plan_cli(capsys, "--model", "gpt2", "--batch", "8", "--cluster", "gpu=tpu")
+    assert code == 2 and "unknown gpu" in err
+    code, _, err = plan_cli(capsys, "--model", "gpt2", "--batch", "8", "--cluster", "h100", "--devices", "16")
+    assert code == 2 and "the cluster has 8" in err
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """`hpdl plan calibrate --quick` (in this process; its collective probe runs on 2 real MPI ranks)."""
+    from hpdl.cli.plan import run_argv
+
+    path = tmp_path_factory.mktemp("cluster") / "cluster.toml"
+    assert run_argv(["calibrate", "--quick", "--devices", "2", "--out", str(path)]) == 0
+    return path
+
+
+def test_calibrate_measures_this_machine_and_writes_a_cluster_file(calibrated):
+    from hpdl.plan.cluster import load_cluster_file
+
+    cluster = load_cluster_file(str(calibrated))
+    assert cluster.devices == 2 and cluster.nodes == 1
+    assert cluster.flops["fp32"] > 1e8 and cluster.node_flops and cluster.node_flops["fp32"] >= cluster.flops["fp32"]
+    assert 0 < cluster.intra.latency_s < 1e-2 and cluster.intra.bandwidth_Bps > 1e7
+    assert "direct probe" in cluster.extra["collectives"] and "measured on" in cluster.source
+
+
+def test_validate_quick_runs_plans_with_the_real_strategies(calibrated, tmp_path):
+    out = tmp_path / "validate"
+    done = hpdl("plan", "validate", "--quick", "--models", "mlp", "--cluster", str(calibrated), "--out", str(out),
+                timeout=400)  # fmt: skip
+    assert "predicted ms" in done.stdout and "measured ms" in done.stdout
+    data = json.loads((out / "validate.json").read_text())
+    records = data["records"]
+    assert {r["ranks"] for r in records} == {1, 2}
+    ran = [r for r in records if r["measured_s"]]
+    assert not [r for r in records if r["error"]], [r["error"] for r in records if r["error"]]
+    assert len(ran) == len(records) >= 5  # every feasible plan ran: dp, ZeRO 1-3, pipeline, tensor parallel
+    layouts = {(r["fields"]["dp"], r["fields"]["pp"], r["fields"]["tp"]) for r in ran}
+    assert {(2, 1, 1), (1, 2, 1), (1, 1, 2)} <= layouts
+    for r in ran:
+        assert (
+            r["predicted_s"] > 0
+            and r["measured_s"] > 0
+            and r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+        )
+    assert {g["ranks"] for g in data["groups"]} == {1, 2}
+    assert 0.0 <= data["within_25_share"] <= 1.0
+    assert (out / "validate.md").exists() and (out / "validate.png").stat().st_size > 1000
+
+
+def test_lab_plans_a_far_cluster_and_runs_the_chosen_plan_here():
+    done = subprocess.run(
+        [sys.executable, "-m", "hpdl.cli.main", "launch", "-n", "2", os.path.join(ROOT, "examples", "lab_plan.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "== 1. GPT-2 XL" in done.stdout and "Best: " in done.stdout
+    assert "predicted" in done.stdout and "measured" in done.stdout
+    assert done.stdout.count("ratio") >= 1
