@@ -3,7 +3,8 @@
 One `mpiexec -n 2` launch of this file runs every body on both transports
 (rank 0 listens, rank 1 connects) and writes what each side observed as
 JSON; the tests below assert it, the same assertions for mpi:// and tcp://.
-Frames are chunked at 1 MiB in that run (HPDL_DASK_MPI_CHUNK) so that the
+Last, rank 1 kills its own progress thread with work pending on it (see
+`transport_failure`). Frames are chunked at 1 MiB in that run (HPDL_DASK_MPI_CHUNK) so that the
 chunking above MPI's count limit is exercised without 2 GiB messages.
 """
 
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -287,6 +289,64 @@ async def run_body(protocol: str, body_name: str, world: Any, call: Any) -> dict
     return out
 
 
+def _outcome(error: BaseException) -> str:
+    cause = f" <- {type(error.__cause__).__name__}" if error.__cause__ is not None else ""
+    return f"{type(error).__name__}{cause}: {error}"
+
+
+async def transport_failure() -> dict[str, Any]:
+    """Kill this rank's progress thread while a read, a connect, a request and a send wait on it: each must fail
+    (not hang), and so must every later use. A connection to this same rank carries the traffic."""
+    from distributed.comm import connect, listen
+    from mpi4py import MPI
+
+    from hpdl.dask.connection import get_hub
+
+    hub = get_hub()
+    loop = asyncio.get_running_loop()
+    listener = await listen("mpi://", echo)
+    comm = await connect(listener.contact_address, timeout=10)
+    await comm.write("ping")
+    out: dict[str, Any] = {"echo": await comm.read()}
+    reading = asyncio.ensure_future(comm.read())  # no reply will come
+    await asyncio.sleep(0.05)
+    gate = threading.Event()
+    hub.progress.submit(lambda: gate.wait(10))  # hold the thread until everything below is queued behind it
+    connecting = asyncio.ensure_future(hub.connect(hub.rank, listener.contact_address.rsplit(":", 1)[1]))
+    box = np.zeros(1)
+    requesting = asyncio.ensure_future(hub.wait_request(lambda: MPI.COMM_SELF.Irecv(box, source=0, tag=5)))
+    await asyncio.sleep(0.05)  # both coroutines have queued their operations
+
+    def fail() -> None:
+        raise RuntimeError("injected failure")
+
+    hub.progress.submit(fail)
+    sending = hub.send(comm._channel, [memoryview(b"never sent")], loop)  # queued behind the failure
+    gate.set()
+    for name, waiter in (("read", reading), ("connect", connecting), ("request", requesting), ("send", sending)):
+        try:
+            await asyncio.wait_for(waiter, 10)
+            out[name] = "completed"
+        except asyncio.TimeoutError:
+            out[name] = "hung"
+        except Exception as error:  # noqa: BLE001 - the type and text are asserted
+            out[name] = _outcome(error)
+    MPI.COMM_SELF.Send(np.ones(1), dest=0, tag=5)  # complete the orphaned receive before MPI finalises
+    out["closed"] = comm.closed()
+    try:
+        hub.progress.submit(lambda: None)
+        out["later"] = "accepted"
+    except Exception as error:  # noqa: BLE001
+        out["later"] = _outcome(error)
+    try:
+        await connect(listener.contact_address, timeout=2)
+        out["reconnect"] = "connected"
+    except Exception as error:  # noqa: BLE001
+        out["reconnect"] = _outcome(error)
+    listener.stop()
+    return out
+
+
 def script_main(path: str) -> None:
     from mpi4py import MPI
 
@@ -310,6 +370,10 @@ def script_main(path: str) -> None:
         merged["_thread_level"] = {"multiple": MPI.Query_thread() == MPI.THREAD_MULTIPLE}
         with open(path, "w") as handle:
             json.dump(merged, handle)
+    if world.rank == 1:  # last: this kills the rank's transport
+        failure = asyncio.run(transport_failure())
+        with open(path + ".failure", "w") as handle:
+            json.dump(failure, handle)
 
 
 # --------------------------------------------------------------------------- pytest side
@@ -323,7 +387,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     command = [find_mpiexec(), "-n", "2", sys.executable, __file__, str(path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return dict(json.loads(path.read_text()))
+    observed = dict(json.loads(path.read_text()))
+    observed["_failure"] = json.loads(path.with_name(path.name + ".failure").read_text())
+    return observed
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -387,6 +453,17 @@ def test_rank_outside_the_job_is_a_clear_error(observed: dict[str, Any]) -> None
 
 def test_mpi_thread_level(observed: dict[str, Any]) -> None:
     assert observed["_thread_level"]["multiple"] is True  # what mpi4py asks of MPICH by default
+
+
+def test_a_failed_progress_thread_fails_every_waiter(observed: dict[str, Any]) -> None:
+    out = observed["_failure"]
+    assert out["echo"] == "ping"
+    assert out["read"].startswith("CommClosedError <- TransportFailed") and "injected failure" in out["read"]
+    for waiter in ("connect", "request", "send", "later"):  # pending, watched, queued, and after the failure
+        assert out[waiter].startswith("TransportFailed <- RuntimeError"), (waiter, out[waiter])
+        assert "injected failure" in out[waiter]
+    assert out["closed"] is True
+    assert out["reconnect"].startswith("MPITransportError") and "progress thread failed" in out["reconnect"]
 
 
 # --------------------------------------------------------------------------- units (one process, no MPI)

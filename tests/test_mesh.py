@@ -19,7 +19,8 @@ import torch
 from hpdl.parallel import Mesh, Plan, build
 from hpdl.parallel.mesh import clip_grad_norm_
 from hpdl.parallel.mesh_state import full_state, load, save
-from hpdl.parallel.tensor import vocab_parallel_cross_entropy
+from hpdl.parallel.tensor import parallelize, vocab_parallel_cross_entropy
+from hpdl.parallel.zero import zero
 from test_tensor_parallel import BATCH, LR, STEPS, TOL, assert_same_parameters, make_data, make_model, train_reference
 
 LAYOUTS = {
@@ -30,11 +31,14 @@ LAYOUTS = {
     "dp2xtp2-zero1": {"dp": 2, "tp": 2, "zero_stage": 1},
     "dp4-zero3": {"dp": 4, "zero_stage": 3},
     "pp2xtp2-clip": {"pp": 2, "tp": 2, "micro_batches": 2, "clip": 0.05},
+    "dp2xtp2-zero1-clip": {"dp": 2, "tp": 2, "zero_stage": 1, "clip": 0.05},  # ZeRO shards of tp slices
+    "dp2xpp2-zero2-clip": {"dp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 2, "clip": 0.05, "by": "optimizer"},
 }
-"""Plan fields, plus "clip": clip the global gradient norm to this value every step (clip_grad_norm_)."""
+"""Plan fields, plus "clip": clip the global gradient norm to this value every step (clip_grad_norm_ over the
+mesh, or with "by": "optimizer" the ZeRO optimizer's own clip_grad_norm_, which build told about the mesh)."""
 
 
-def run_steps(model, opt, mesh, steps: range, clip=None) -> list[float]:
+def run_steps(model, opt, mesh, steps: range, clip=None, by: str = "mesh") -> list[float]:
     """Train on steps `steps` of the shared data; return the global mean loss of each step."""
     x, y = make_data()
     per = BATCH // mesh.shape["dp"]
@@ -50,7 +54,9 @@ def run_steps(model, opt, mesh, steps: range, clip=None) -> list[float]:
             loss = loss_fn(model(xs), ys)
             loss.backward()
             loss = loss.detach().clone()
-        if clip is not None:
+        if clip is not None and by == "optimizer":
+            opt.clip_grad_norm_(clip)
+        elif clip is not None:
             clip_grad_norm_(model, clip, mesh)
         opt.step()
         mesh.dp.allreduce(loss, "avg")
@@ -60,11 +66,11 @@ def run_steps(model, opt, mesh, steps: range, clip=None) -> list[float]:
 
 def train_layout(comm, spec: dict) -> tuple[dict, list[float]]:
     spec = dict(spec)
-    clip = spec.pop("clip", None)
+    clip, by = spec.pop("clip", None), spec.pop("by", "mesh")
     plan = Plan(**spec)
     mesh = Mesh.from_plan(comm, plan)
     model, opt = build(make_model(), mesh, plan, optimizer=torch.optim.AdamW, lr=LR)
-    losses = run_steps(model, opt, mesh, range(STEPS), clip)
+    losses = run_steps(model, opt, mesh, range(STEPS), clip, by)
     state = full_state(model, None, mesh)["model"]
     mesh.close()
     return state, losses
@@ -148,8 +154,24 @@ def mesh_coordinates(comm) -> list:
     return out
 
 
+def zero_clip_without_mesh(comm) -> str:
+    """ZeRO over the dp group of a tp model, built by hand: a dp-only norm would differ per tp rank: refused."""
+    mesh = Mesh(comm, dp=2, tp=2)
+    model, opt = zero(parallelize(make_model(), mesh.tp), mesh.dp, stage=2, lr=LR)
+    x, y = make_data()
+    vocab_parallel_cross_entropy(model(x[0, :4]), y[0, :4], mesh.tp).backward()
+    try:
+        opt.clip_grad_norm_(0.05)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    mesh.close()
+    return message
+
+
 def mesh_bodies(comm, path: str) -> dict:
-    out = {"coords": mesh_coordinates(comm)}
+    out = {"coords": mesh_coordinates(comm), "zero_clip_without_mesh": zero_clip_without_mesh(comm)}
     for name, spec in LAYOUTS.items():
         out[name] = train_layout(comm, spec)
     out["saved"] = reshard_save(comm, path, {"dp": 2, "tp": 2}, 3)
@@ -187,6 +209,12 @@ def test_mesh_places_tp_innermost_and_pp_outermost(results):
             assert layout["rank_of"] == rank
             assert {a: s for a, (_, s) in layout["subs"].items()} == {"dp": 1, "pp": 2, "tp": 2}
             assert {a: r for a, (r, _) in layout["subs"].items()} == layout["coords"]
+
+
+def test_zero_clipping_of_a_tp_model_without_its_mesh_is_refused(results):
+    for per_rank in results[0]:
+        assert "tensor-parallel slices" in per_rank["zero_clip_without_mesh"], per_rank["zero_clip_without_mesh"]
+        assert "mesh=" in per_rank["zero_clip_without_mesh"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

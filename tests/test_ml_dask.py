@@ -50,6 +50,38 @@ def test_kmeans_on_dask_equals_one_process(client):
         KMeans(3).fit(da.from_array(bad, chunks=50))
 
 
+def test_fitted_kmeans_keeps_only_its_labels_on_the_workers(client):
+    """fit persists a centred copy of X (and its row norms) on the workers; the fitted model must not pin it."""
+    import gc
+    import time
+
+    from hpdl.ml.dask_backend import DaskShards
+    from hpdl.ml.kmeans import _prepare
+
+    X = load_iris().data
+    dX = da.from_array(X, chunks=(40, 4))
+    init = X[[0, 50, 100]]
+
+    def centred_keys():
+        return [key for keys in client.has_what().values() for key in keys if str(key).startswith("_prepare-")]
+
+    def released(deadline: float) -> bool:
+        gc.collect()
+        while centred_keys() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not centred_keys()
+
+    model = KMeans(3, init=init, n_init=1).fit(dX)
+    assert released(time.monotonic() + 10), centred_keys()
+    np.testing.assert_array_equal(model.labels_.compute(), KMeans(3, init=init, n_init=1).fit(X).labels_)
+    # the control: while a centred copy is held, the keys above are what the workers hold
+    held = DaskShards.build(dX, [None], dtype=np.float64, estimator="test").transform(_prepare, X.mean(axis=0))
+    distributed.wait(held.parts)
+    assert len(centred_keys()) == len(dX.chunks[0])
+    del held
+    assert released(time.monotonic() + 10)
+
+
 def test_linear_models_on_dask_equal_one_process(client):
     X, y = load_diabetes(return_X_y=True)
     dX, dy = da.from_array(X, chunks=(100, 10)), da.from_array(y, chunks=100)

@@ -31,12 +31,15 @@ def _datasets():
 
 
 CASES = [(n, i) for n in ("iris", "digits", "blobs32") for i in ("k-means++", "random", "array")]
-# digits x random: one of its 10 runs meets a point exactly equidistant (integer pixels) from two centres,
-# which the two libraries' rounding of ||c||^2 - 2 x.c breaks differently; the other runs agree to 1e-15.
-CASES.remove(("digits", "random"))
+TIED = ("digits", "random")
+"""In one of this case's 10 runs a point (integer pixels) lies exactly as far from two centres; the libraries round
+||c||^2 - 2 x.c differently, break the tie differently, and that run's Lloyd path then departs. Asserted there
+instead (test_kmeans_with_an_exact_tie): run by run, every other run agrees to 1e-9; the tied one ends within
+TIED_RTOL in inertia; each library keeps its own best run."""
+TIED_RTOL = 1e-5  # measured: 1.1e-6 (the tied run ends in a neighbouring local minimum)
 
 
-@pytest.mark.parametrize("name, init", CASES)
+@pytest.mark.parametrize("name, init", [c for c in CASES if c != TIED])
 def test_kmeans_matches_sklearn(name, init):
     X = _datasets()[name]
     start = X[:: len(X) // 5][:5].copy() if init == "array" else init
@@ -50,6 +53,31 @@ def test_kmeans_matches_sklearn(name, init):
     np.testing.assert_array_equal(ours.predict(X[:50]), theirs.predict(X[:50]))
     np.testing.assert_allclose(ours.transform(X[:50]), theirs.transform(X[:50]), rtol=1e-4, atol=1e-4)
     assert ours.score(X) == pytest.approx(theirs.score(X), rel=rtol)
+
+
+def test_kmeans_with_an_exact_tie():
+    X = _datasets()[TIED[0]]
+    rng = np.random.RandomState(7)  # the 10 random initialisations both libraries draw, in order
+    uniform = np.ones(len(X)) / np.ones(len(X)).sum()
+    starts = [X[rng.choice(len(X), size=5, replace=False, p=uniform)] for _ in range(10)]
+    runs = []
+    for start in starts:
+        ours = KMeans(5, init=start, n_init=1).fit(X)
+        theirs = sklearn.cluster.KMeans(5, init=start, n_init=1).fit(X)
+        same = bool(np.array_equal(ours.labels_, theirs.labels_))
+        if same:
+            np.testing.assert_allclose(ours.cluster_centers_, theirs.cluster_centers_, rtol=1e-9, atol=1e-9)
+            assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=1e-9) and ours.n_iter_ == theirs.n_iter_
+        runs.append((same, ours.inertia_, theirs.inertia_))
+    tied = [r for r in runs if not r[0]]
+    assert len(tied) == 1  # the tie, and nothing else, separates the libraries
+    assert tied[0][1] == pytest.approx(tied[0][2], rel=TIED_RTOL)
+    ours = KMeans(5, init="random", n_init=10, random_state=7).fit(X)
+    theirs = sklearn.cluster.KMeans(5, init="random", n_init=10, random_state=7).fit(X)
+    assert ours.cluster_centers_.shape == theirs.cluster_centers_.shape and len(np.unique(ours.labels_)) == 5
+    assert ours.inertia_ == pytest.approx(min(r[1] for r in runs), rel=1e-12)  # the best of its own runs
+    assert theirs.inertia_ == pytest.approx(min(r[2] for r in runs), rel=1e-12)
+    assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=TIED_RTOL)
 
 
 def test_kmeans_weights_empty_clusters_and_tol():

@@ -19,6 +19,7 @@ from torch import nn
 from hpdl.comm.trace import Tracer
 from hpdl.parallel import Pipeline
 from hpdl.parallel.pipe.errors import BalanceError, PipelineError, StageFailedError
+from hpdl.parallel.pipe.memory import ActivationMeter
 
 DIN, DOUT, ROWS, STEPS, TOL = 6, 3, 10, 5, 1e-9
 
@@ -104,6 +105,7 @@ def train_pipeline(comm, cfg: dict) -> dict:
         peaks.append(pipe.stats.peak_live)
     params = {f"{pipe.first_layer + int(n.split('.')[0])}.{n.split('.', 1)[1]}": p.detach().clone()
               for n, p in pipe.layers.named_parameters()}  # fmt: skip
+    pipe.close()  # frees its private communicator: the pools run many pipelines
     return {"params": params, "losses": losses, "peak_live": max(peaks), "microbatches": pipe.stats.microbatches}
 
 
@@ -172,10 +174,18 @@ def test_pipeline_trains_like_one_process_on_the_whole_batch(ranks, backend, npr
 def count_live(comm, m: int) -> dict:
     out = {}
     for schedule in ("1f1b", "gpipe"):
-        pipe = Pipeline(make_model("mlp"), comm, chunks=m, schedule=schedule, checkpoint="never")
-        xs, ys = make_data("mlp", rows=2 * m)
+        model = make_model("mlp")
+        with Pipeline(model, comm, chunks=m, schedule=schedule, checkpoint="never") as pipe:
+            xs, ys = make_data("mlp", rows=2 * m)
+            # what autograd really kept, in bytes; the batch itself (micro-batches are views of it) is not an activation
+            with ActivationMeter(exclude=[*pipe.parameters(), xs[0], ys[0]]) as meter:
+                pipe.step(xs[0], ys[0], loss_fn)
+            out[schedule] = (pipe.stats.peak_live, pipe.schedule(m).peak_live(pipe.stage), meter.peak)
+        out[f"{schedule} hooks left"] = sum(len(layer._forward_hooks) for layer in model)
+    try:
         pipe.step(xs[0], ys[0], loss_fn)
-        out[schedule] = (pipe.stats.peak_live, pipe.schedule(m).peak_live(pipe.stage))
+    except PipelineError as exc:
+        out["after close"] = str(exc)
     return out
 
 
@@ -183,9 +193,14 @@ def test_1f1b_holds_at_most_p_microbatches_and_gpipe_holds_m(ranks):
     m = 8
     results = ranks("mpi", 4).run(count_live, m, timeout=60)
     for stage, r in enumerate(results):
-        live, planned = r["1f1b"]
+        live, planned, peak_1f1b = r["1f1b"]
         assert live == planned == 4 - stage <= 4, (stage, r)  # counted in the engine, not timed
-        assert r["gpipe"] == (m, m), (stage, r)
+        assert r["gpipe"][:2] == (m, m), (stage, r)
+        # measured: equal micro-batches, so the bytes autograd held scale as (p - stage) / m of GPipe's
+        assert peak_1f1b == pytest.approx(r["gpipe"][2] * (4 - stage) / m, rel=0.1), (stage, r)
+        # close() removed the engine's hooks from the user's layers and the pipeline refuses more work
+        assert r["1f1b hooks left"] == r["gpipe hooks left"] == 0, r
+        assert "closed" in r["after close"], r
 
 
 # --------------------------------------------------------------------------- dp x pp
@@ -207,6 +222,9 @@ def train_hybrid(comm, cfg: dict) -> dict:
     reductions = sum(1 for e in dp.tracer.events if e["cat"] == "comm" and e["name"].startswith("allreduce bucket"))
     params = {f"{pipe.first_layer + int(n.split('.')[0])}.{n.split('.', 1)[1]}": p.detach().clone()
               for n, p in pipe.layers.named_parameters()}  # fmt: skip
+    pipe.close()
+    for sub in (pp, dp):
+        sub.close()
     return {"params": params, "allreduces_per_step": reductions / STEPS, "buckets": len(pipe.module.buckets)}
 
 
@@ -327,8 +345,8 @@ def heavy_and_light() -> list:
 
 def balanced_by_measurement(comm) -> list[int]:
     sample = torch.randn(128, 384)
-    pipe = Pipeline(heavy_and_light(), comm, balance="auto", sample=sample, chunks=2)
-    return pipe.balance
+    with Pipeline(heavy_and_light(), comm, balance="auto", sample=sample, chunks=2) as pipe:
+        return pipe.balance
 
 
 def test_auto_balance_measures_layers_and_splits_the_cost_evenly(ranks):
@@ -343,14 +361,15 @@ def factories() -> list:
 
 def predict_outputs(comm) -> dict:
     out = {}
-    pipe = Pipeline(make_model("tuple"), comm, chunks=3)
     xs, _ = make_data("tuple")
-    out["tuple"] = pipe.predict(xs[0] if pipe.is_first else None)
+    with Pipeline(make_model("tuple"), comm, chunks=3) as pipe:
+        out["tuple"] = pipe.predict(xs[0] if pipe.is_first else None)
     # factories: each rank builds only its layers, seeded per layer
     built = []
     pipe = Pipeline([lambda f=f: built.append(1) or f() for f in factories()], comm, chunks=4, seed=5)
     x = torch.randn(ROWS, DIN, generator=torch.Generator().manual_seed(3))
     out["factories"] = pipe.predict(x if pipe.is_first else None)
+    pipe.close()
     out["built"] = len(built)
     out["layers"] = len(pipe.layers)
     return out

@@ -133,9 +133,27 @@ def test_validate_quick_runs_plans_with_the_real_strategies(calibrated, tmp_path
             and r["measured_s"] > 0
             and r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
         )
+    # Whether >= 80% of predictions land within 25% is measured on a quiet machine, not asserted on a shared CI
+    # box; asserted here: the flags, the share and the per-group verdicts follow the records' own numbers, and the
+    # report lists every plan with its predicted and measured time.
+    for r in ran:
+        assert r["within_25"] == (abs(r["predicted_s"] - r["measured_s"]) <= 0.25 * r["measured_s"])
+    assert data["within_25_share"] == pytest.approx(sum(r["within_25"] for r in ran) / len(ran))
     assert {g["ranks"] for g in data["groups"]} == {1, 2}
-    assert 0.0 <= data["within_25_share"] <= 1.0
-    assert (out / "validate.md").exists() and (out / "validate.png").stat().st_size > 1000
+    for g in data["groups"]:
+        mine = [r for r in ran if (r["model"], r["ranks"]) == (g["model"], g["ranks"])]
+        assert g["plans"] == len(mine)
+        assert g["predicted_best"] == min(mine, key=lambda r: r["predicted_s"])["plan"]
+        assert g["measured_best"] == min(mine, key=lambda r: r["measured_s"])["plan"]
+    cells = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in (out / "validate.md").read_text().splitlines()
+    ]
+    table = sorted(tuple(row[:5]) for row in cells if len(row) == 8 and row[0] == "mlp")
+    want = [(r["model"], str(r["ranks"]), r["plan"], f"{r['predicted_s'] * 1e3:.2f}", f"{r['measured_s'] * 1e3:.2f}")
+            for r in records]  # fmt: skip
+    assert table == sorted(want)
+    assert (out / "validate.png").stat().st_size > 1000
 
 
 def test_lab_plans_a_far_cluster_and_runs_the_chosen_plan_here():

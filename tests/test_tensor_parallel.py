@@ -122,6 +122,7 @@ def cross_entropy_body(comm) -> dict:
     vocab = 12 * comm.size
     logits = torch.randn(3, 7, vocab, generator=g, dtype=torch.float64) * 4
     target = torch.randint(0, vocab, (3, 7), generator=g)
+    target[0, :4] = target[2, 6] = -100  # padding: no loss, no gradient, left out of the mean
     width = vocab // comm.size
     out = {}
     for reduction in ("mean", "sum", "none"):
@@ -137,6 +138,15 @@ def cross_entropy_body(comm) -> dict:
             float((got - want).abs().max()),
             float((mine.grad - full.grad[..., comm.rank * width : (comm.rank + 1) * width]).abs().max()),
         )
+    errors = []
+    for bad in (vocab, -1):  # out-of-range ids are an error, not a silent wrong loss
+        wrong = target.clone()
+        wrong[1, 2] = bad
+        try:
+            vocab_parallel_cross_entropy(logits[..., :width], wrong, comm)
+        except ValueError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
     return out
 
 
@@ -186,6 +196,8 @@ def test_tensor_parallel_equals_one_process(ranks, backend, nprocs):
     results = ranks(backend, nprocs).run(tp_bodies, timeout=120)
     want, want_losses = train_reference()
     for rank, result in enumerate(results):
+        errors = result["ce"].pop("errors")
+        assert len(errors) == 2 and all("outside the vocabulary" in e for e in errors), errors
         for reduction, (value_err, grad_err) in result["ce"].items():
             assert value_err <= 1e-12 and grad_err <= 1e-12, f"rank {rank} cross-entropy ({reduction})"
         assert max(result["pair"]) <= 1e-12, f"rank {rank} column/row pair: {result['pair']}"

@@ -215,3 +215,23 @@ def test_non_finite_loss_on_one_rank_stops_both(ranks):
     for bad, text in results:
         assert bad == (1,)
         assert "rank 1: nan" in text and "epoch 1, step 1 of the epoch" in text
+
+
+def test_trainer_clips_zero_sharded_gradients_like_a_plain_model():
+    """ZeRO-2 keeps gradients in its shards (no .grad): the Trainer clips through the optimizer's own global norm."""
+    from hpdl.parallel import zero
+
+    comm = SelfCommunicator(timeout=30.0, debug=False)
+    loader = DataLoader(_data(), batch_size=8)
+    plain = _net()
+    Trainer(plain, torch.optim.SGD(plain.parameters(), lr=0.5), comm=comm, max_grad_norm=0.01, progress=False).fit(
+        loader, 1
+    )
+    sharded, opt = zero(_net(), comm, stage=2, optimizer=torch.optim.SGD, lr=0.5)
+    Trainer(sharded, opt, comm=comm, max_grad_norm=0.01, progress=False).fit(loader, 1)
+    unclipped = _net()
+    Trainer(unclipped, torch.optim.SGD(unclipped.parameters(), lr=0.5), comm=comm, progress=False).fit(loader, 1)
+    full = sharded.full_parameters()
+    for name, value in plain.named_parameters():
+        torch.testing.assert_close(full[name], value.detach())
+    assert any(not torch.allclose(a, c) for a, c in zip(plain.parameters(), unclipped.parameters()))

@@ -1,10 +1,11 @@
 """ZeRO stages 1, 2, 3: N ranks train like one process on the whole batch, with the memory the formula says.
 
 Tolerances: float64 models, where N ranks and one process differ only in the
-order of summations, agree to 1e-9 after 10 steps (the issue asks 1e-5);
-bf16 mixed precision rounds every activation and gradient to 8 significant
-bits, so it is compared with the float32 reference to 5e-2 (parameters of
-size ~0.1 - 1) and shown to differ from the exact run.
+order of summations, agree to 1e-9 after 10 steps (the issue asks 1e-5).
+bf16 mixed precision is compared with one process that computes in bf16 by
+hand (fp32 master weights and optimizer state, bf16 forward and backward,
+gradients averaged and rounded to bf16) to BF16_TOL, far below the gap
+between bf16 and float32 training, which is shown to exist too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hpdl.parallel.zero_partition import Slot, Unit
 
 DIN, HID, DOUT, B = 5, 7, 3, 3  # 5*7+7 = 42 and 7*3+3 = 24 elements: nothing divides by 4 evenly
 STEPS = 10
+BF16_TOL = 1e-5  # the same arithmetic in the same order; fp32 rounding in the optimizer may differ by an ulp
 
 
 def make_model(seed: int, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -75,7 +77,9 @@ def train_zero(comm, cfg: dict) -> dict:
 
 
 def train_reference(cfg: dict, nprocs: int) -> dict:
-    dtype = getattr(torch, "float32" if cfg.get("mp") else cfg.get("dtype", "float64"))
+    if cfg.get("mp"):
+        return train_reference_bf16(cfg, nprocs)
+    dtype = getattr(torch, cfg.get("dtype", "float64"))
     micro = cfg.get("micro", 1)
     model = make_model(100, dtype)
     cls, kwargs = optimizer_of(cfg)
@@ -92,6 +96,33 @@ def train_reference(cfg: dict, nprocs: int) -> dict:
         opt.step()
         sched.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+
+
+def train_reference_bf16(cfg: dict, nprocs: int) -> dict:
+    """One process doing by hand what bf16 mixed precision means: fp32 master weights and AdamW state, a bf16
+    copy for compute, each rank's gradient computed in bf16 and averaged in fp32 (rounded to bf16, as the
+    reduce-scatter of bf16 gradients does), the step on the fp32 masters."""
+    master = make_model(100, torch.float32)
+    compute = make_model(100, torch.bfloat16)
+    cls, kwargs = optimizer_of(cfg)
+    opt = cls(master.parameters(), **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    x, y = make_data(nprocs, 1, torch.float32)
+    for step in range(STEPS):
+        grads = []
+        for r in range(nprocs):
+            compute.zero_grad()
+            out = compute(x[step, 0, r].to(torch.bfloat16)).float()
+            nn.functional.mse_loss(out, y[step, 0, r]).backward()
+            grads.append([p.grad.float() for p in compute.parameters()])
+        for p, *per_rank in zip(master.parameters(), *grads):
+            p.grad = (sum(per_rank) / nprocs).to(torch.bfloat16).float()
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for c, p in zip(compute.parameters(), master.parameters()):
+                c.copy_(p)
+    return {"params": {n: p.detach().clone() for n, p in master.named_parameters()}, "norms": []}
 
 
 def train_many(comm, cfgs: list[dict]) -> list[dict]:
@@ -114,8 +145,8 @@ EXTRA = [
     ({"stage": 2, "clip": 0.05}, 1e-9),
     ({"stage": 3, "clip": 0.05, "wrap": None, "bucket_mb": 0.0002}, 1e-9),  # size-based units
     ({"stage": 3, "bucket_mb": 25, "wrap": 10**9}, 1e-9),  # one unit: the root
-    ({"stage": 2, "mp": "bf16", "dtype": "float32"}, 5e-2),
-    ({"stage": 3, "mp": "bf16", "dtype": "float32"}, 5e-2),
+    ({"stage": 2, "mp": "bf16", "dtype": "float32"}, BF16_TOL),
+    ({"stage": 3, "mp": "bf16", "dtype": "float32"}, BF16_TOL),
 ]
 
 
@@ -209,7 +240,7 @@ def test_parameters_without_gradients_are_left_alone(ranks):
 def test_mixed_precision_really_computes_in_bf16(ranks):
     exact, mixed = ranks("mpi", 2).run(train_many, [{"stage": 2, "dtype": "float32"}, EXTRA[-2][0]])[0]
     diff = max(float((exact["params"][n] - mixed["params"][n]).abs().max()) for n in exact["params"])
-    assert diff > 1e-4
+    assert diff > 100 * BF16_TOL  # the bf16 reference above is not just the float32 run
     assert all(v.dtype == torch.float32 for v in mixed["params"].values())  # fp32 master copies
 
 
@@ -225,7 +256,7 @@ def live_storages() -> dict[int, int]:
     return out
 
 
-def memory_body(comm, stage: int) -> dict:
+def memory_body(comm, stage: int, prefetch: bool = False) -> dict:
     torch.manual_seed(0)
     x = torch.randn(4, 64)
     y = torch.randn(4, 8)
@@ -233,8 +264,8 @@ def memory_body(comm, stage: int) -> dict:
     before = live_storages()
     model = nn.Sequential(nn.Linear(64, 127), nn.Tanh(), nn.Linear(127, 95), nn.Tanh(), nn.Linear(95, 8))
     numel = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in m.parameters()) for m in model)
-    zmodel, opt = zero(model, comm, stage=stage, bucket_mb=0.02, wrap_policy=(nn.Linear,), prefetch=False, lr=0.01)
+    units = sorted((sum(p.numel() for p in m.parameters()) for m in model), reverse=True)
+    zmodel, opt = zero(model, comm, stage=stage, bucket_mb=0.02, wrap_policy=(nn.Linear,), prefetch=prefetch, lr=0.01)
     peak = [0]
 
     def count(*_: object) -> None:
@@ -246,14 +277,21 @@ def memory_body(comm, stage: int) -> dict:
         now = {**live_storages(), **grads}
         peak[0] = max(peak[0], sum(b for ptr, b in now.items() if ptr not in before))
 
+    def count_in_backward(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        output.register_hook(count)  # runs after the unit's own hook gathered it and started the prefetch
+
     biggest = max(model, key=lambda m: sum(p.numel() for p in m.parameters()))
     for step in range(2):
-        # prepend: count before the unit's own hook frees it (second step: every buffer exists)
-        hook = biggest.register_forward_hook(count, prepend=True) if stage == 3 and step == 1 else None
+        hooks = []
+        if stage == 3 and step == 1:  # second step: every buffer exists, the unit order is known
+            if prefetch:  # backward holds a unit and prefetches the next: the peak is in backward
+                hooks = [m.register_forward_hook(count_in_backward) for m in model if isinstance(m, nn.Linear)]
+            else:  # prepend: count before the unit's own hook frees it
+                hooks = [biggest.register_forward_hook(count, prepend=True)]
         opt.zero_grad(set_to_none=False)
         nn.functional.mse_loss(zmodel(x), y).backward()
         opt.step()
-        if hook is not None:
+        for hook in hooks:
             hook.remove()
     gc.collect()
     grads = {
@@ -264,28 +302,31 @@ def memory_body(comm, stage: int) -> dict:
     after = {**live_storages(), **grads}
     steady = sum(b for ptr, b in after.items() if ptr not in before)
     reported = opt.model_state_bytes()["total"]
-    return {"numel": numel, "steady": steady, "peak": peak[0], "largest_unit": largest, "reported": reported}
+    return {"numel": numel, "steady": steady, "peak": peak[0], "units": units, "reported": reported}
 
 
 def memory_many(comm) -> list[dict]:
     if comm.backend == "mpi":  # the shared-memory path keeps staging copies of large messages: not model state
         comm = comm.split(0, comm.rank)
         comm.shared_memory = False
-    return [memory_body(comm, stage) for stage in (1, 2, 3)]
+    return [memory_body(comm, stage) for stage in (1, 2, 3)] + [memory_body(comm, 3, prefetch=True)]
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_model_state_memory_follows_the_formula(ranks, nprocs):
     results = ranks("mpi", nprocs).run(memory_many, timeout=120)
     for rank_results in results:
-        for stage, got in zip((1, 2, 3), rank_results):
+        for stage, got in zip((1, 2, 3, 3), rank_results):
             want = memory_formula(stage, got["numel"], nprocs)["total"]
             assert got["steady"] == pytest.approx(want, rel=0.10), (stage, got, want)
             assert got["reported"] == pytest.approx(got["steady"], rel=0.02), (stage, got)  # model_state_bytes()
-            if stage == 3:  # during the largest unit's forward: the shards plus that gathered unit
-                with_unit = memory_formula(3, got["numel"], nprocs, gathered_bytes=4 * got["largest_unit"])["total"]
-                assert got["peak"] == pytest.approx(with_unit, rel=0.10), (got, with_unit)
-    stage1, stage2, stage3 = results[0]
+        # stage 3 during the largest unit's forward: the shards plus that gathered unit; with prefetch, in
+        # backward: the shards plus the unit computing and the one being gathered, the two largest here
+        units = rank_results[0]["units"]  # parameters per unit, largest first
+        for got, gathered in ((rank_results[2], units[0]), (rank_results[3], units[0] + units[1])):
+            with_units = memory_formula(3, got["numel"], nprocs, gathered_bytes=4 * gathered)["total"]
+            assert got["peak"] == pytest.approx(with_units, rel=0.10), (got, with_units)
+    stage1, stage2, stage3, _ = results[0]
     assert stage3["steady"] < stage2["steady"] < stage1["steady"]
 
 

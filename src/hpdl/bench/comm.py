@@ -149,11 +149,7 @@ def parse(argv: Sequence[str]) -> Options:
 # --------------------------------------------------------------------------- launcher
 def launch(argv: list[str]) -> int:
     """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
-    try:
-        options = parse(argv)
-    except SystemExit as stop:  # argparse errors (2) and --help (0): return the code, do not exit the caller
-        return stop.code if isinstance(stop.code, int) else 0
-    return run_worker("hpdl bench comm", "hpdl.bench.comm", options.ranks, options.forwarded(), options.timeout)
+    return report.launch_benchmark("hpdl bench comm", "hpdl.bench.comm", parse, argv)
 
 
 def run_worker(name: str, module: str, ranks: int, forwarded: list[str], timeout: float) -> int:
@@ -697,10 +693,12 @@ def write_report(b: Bench, records: list[dict[str, Any]], elapsed: float) -> Non
 
 # --------------------------------------------------------------------------- worker
 def main(argv: Optional[list[str]] = None) -> int:
+    """`launch` by default; with --worker, `worker` (every rank)."""
+    return report.run_main(argv, parse, launch, worker)
+
+
+def worker(options: Options) -> int:
     """The worker (every rank): both communicators in one process, all measurements, report on rank 0."""
-    options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.worker:
-        return launch(sys.argv[1:] if argv is None else argv)
     import hpdl
 
     started = perf_counter()

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive, run_worker
+from hpdl.bench.comm import _positive
 
 __all__ = ["launch", "main"]
 
@@ -102,18 +102,20 @@ def parse(argv: Sequence[str]) -> Options:
 
 def launch(argv: list[str]) -> int:
     """Start the benchmark on 4 ranks (mpiexec beside this Python) and return its exit code."""
-    try:
-        options = parse(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0
-    return run_worker("hpdl bench dask", "hpdl.bench.dask_transport", RANKS, options.forwarded(), options.timeout)
+    return report.launch_benchmark("hpdl bench dask", "hpdl.bench.dask_transport", parse, argv, ranks=RANKS)
 
 
 # --------------------------------------------------------------------------- MPI helpers that keep mpi:// serving
-def _quiet_barrier(world: Any) -> None:
-    """A barrier that sleeps while it waits (a spinning MPI_Barrier would steal the measured ranks' cores)."""
-    request = world.Ibarrier()
-    while not request.Test():
+def _quiet_barrier(world: Any, call: Any, timeout: float) -> None:
+    """A barrier that sleeps while it waits (a spinning MPI_Barrier would steal the measured ranks' cores).
+
+    Waits here, not on the progress thread (which keeps serving mpi:// meanwhile), and gives up after `timeout`
+    seconds: a dead or stuck rank ends the job with an error instead of blocking the transport forever."""
+    request = call(world.Ibarrier)
+    deadline = time.monotonic() + timeout
+    while not call(request.Test):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"hpdl bench dask: a rank is still busy after {timeout:g} s at a barrier")
         time.sleep(1e-3)
 
 
@@ -212,7 +214,7 @@ def measure_pingpong(options: Options, world: Any, call: Any) -> list[dict[str, 
         asyncio.run(server())
     elif rank == 3:
         asyncio.run(client())
-    call(lambda: _quiet_barrier(world))
+    _quiet_barrier(world, call, options.timeout)
     return records
 
 
@@ -325,7 +327,7 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[list[A
     if ratios_large:
         low = min(ratios_large)
         verdicts.append(
-            f"{'PASS' if low >= TARGET_THROUGHPUT else 'MISS'} throughput, messages >= 1 MiB: mpi:// "
+            f"{report.verdict(low >= TARGET_THROUGHPUT)} throughput, messages >= 1 MiB: mpi:// "
             f"{low:.2f}x tcp:// at worst (target >= {TARGET_THROUGHPUT}x)"
         )
     xxt_rows = []
@@ -341,7 +343,7 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[list[A
         xxt_rows[-1].append(speedup)
         xxt_rows[0].append(1.0)
         verdicts.append(
-            f"{'PASS' if speedup >= TARGET_XXT else 'MISS'} x + x.T: mpi:// {speedup:.2f}x faster than tcp:// "
+            f"{report.verdict(speedup >= TARGET_XXT)} x + x.T: mpi:// {speedup:.2f}x faster than tcp:// "
             f"(target >= {TARGET_XXT}x), same sum: {tcp['result'] == mpi['result']}"
         )
     return ping_rows, xxt_rows, verdicts
@@ -374,26 +376,19 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
         "x + x.T: (x + x.T).sum() on a cluster per transport; both run at once, alternating; warm-up excluded.",
         "Transports alternate in a new random order every repetition; min-max over repetitions.",
     ]
-    text = "\n".join(
-        ["# hpdl bench dask", "", header, "", "## Ping-pong", "", report.markdown_table(PING_HEADERS, ping_rows)]
-        + ["", "## x + x.T", "", report.markdown_table(XXT_HEADERS, xxt_rows), ""]
-        + [f"- {n}" for n in notes]
-        + ["", "## Targets", ""]
-        + [f"- {v}" for v in verdicts]
-    )
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "dask.md"), "w") as handle:
-        handle.write(text + "\n")
-    report.write_records(os.path.join(options.out, "dask.json"), records, config)
-    print(text)
-    print(f"\nwrote {options.out}/dask.md and dask.json in {elapsed:.0f} s")
+    ping = report.markdown_table(PING_HEADERS, ping_rows)
+    blocks = ["## Ping-pong", ping, "## x + x.T", report.markdown_table(XXT_HEADERS, xxt_rows)]
+    text = report.markdown_document("hpdl bench dask", header, blocks, notes, verdicts)
+    report.write_report(options.out, "dask", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """`launch` by default; with --worker, `worker` (every rank)."""
+    return report.run_main(argv, parse, launch, worker)
+
+
+def worker(options: Options) -> int:
     """The worker (every rank): ping-pong on ranks 2-3, then two clusters at once, report on rank 1."""
-    options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.worker:
-        return launch(sys.argv[1:] if argv is None else argv)
     import logging
 
     import distributed
@@ -422,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             sizes=list(options.sizes),
         )
         write_report(options, merged, config, time.perf_counter() - started)
-    call(lambda: _quiet_barrier(world))  # leave together: nobody finalises MPI while a peer still shuts down
+    _quiet_barrier(world, call, options.timeout)  # leave together: nobody finalises MPI while a peer still shuts down
     return 0
 
 

@@ -405,12 +405,11 @@ def _table(records: list[dict[str, Any]]) -> tuple[str, list[str]]:
             verdicts.append(f"n/a {task}: no {peer} time to compare")
         else:
             verdicts.append(
-                f"{'PASS' if ratio >= target else 'MISS'} {task}: hpdl-mpi {ratio:.2f}x {peer}'s speed "
-                f"(target >= {target}x)"
+                f"{report.verdict(ratio >= target)} {task}: hpdl-mpi {ratio:.2f}x {peer}'s speed (target >= {target}x)"
             )
         if task == "kmeans" and "vs_sklearn" in hp and hp["vs_sklearn"] is not None:
             verdicts.append(
-                f"{'PASS' if hp['vs_sklearn'] >= 1.0 else 'MISS'} kmeans: hpdl-mpi {hp['vs_sklearn']:.2f}x "
+                f"{report.verdict(hp['vs_sklearn'] >= 1.0)} kmeans: hpdl-mpi {hp['vs_sklearn']:.2f}x "
                 "sklearn's time per iteration (target >= 1.0x)"
             )
     return report.markdown_table(HEADERS, rows, right_align_from=2), verdicts
@@ -433,25 +432,18 @@ def write_report(options: Options, records: list[dict[str, Any]], elapsed: float
         "recall: share of the exact 10 neighbours (scikit-learn brute force) found. dask-ml has no k-NN.",
         "dask-ml LinearRegression: solver lbfgs, max_iter=100 (its default penalty); errors are shown as results.",
     ]
-    text = "\n".join(
-        ["# hpdl bench ml", "", header, "", table, "", *[f"- {n}" for n in notes], "", "## Targets", ""]
-        + [f"- {v}" for v in verdicts]
-    )
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "ml.md"), "w") as handle:
-        handle.write(text + "\n")
-    report.write_records(os.path.join(options.out, "ml.json"), records, config)
-    print(text)
-    print(f"\nwrote {options.out}/ml.md and ml.json in {elapsed:.0f} s")
+    text = report.markdown_document("hpdl bench ml", header, [table], notes, verdicts)
+    report.write_report(options.out, "ml", text, records, config, elapsed)
     return text
 
 
 def launch(argv: list[str]) -> int:
     """`hpdl bench ml [--quick] [--tasks ...]`: run every contender here and write the report."""
-    try:
-        options = parse(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0
+    return report.launch_parsed(parse, argv, _run_and_report)
+
+
+def _run_and_report(options: Options) -> int:
+    """Every contender in this process's reach (hpdl-mpi starts its own mpiexec per round), then the report."""
     started = time.perf_counter()
     print(f"hpdl bench ml: tasks {', '.join(options.tasks)}; {options.rounds} round(s) ...", flush=True)
     records = _run(options)

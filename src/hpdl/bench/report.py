@@ -1,8 +1,8 @@
-"""Reporting helpers shared by every `hpdl bench ...`: statistics, Markdown, JSON records, plots.
+"""Helpers shared by every `hpdl bench ...`: launching, statistics, Markdown, JSON records, plots.
 
 The rules in BENCHMARKING.md (medians with spread, the full configuration
 in every record, machine-readable output beside a short table) are easier
-to keep when every benchmark reports through the same few functions.
+to keep when every benchmark starts and reports through the same few functions.
 """
 
 from __future__ import annotations
@@ -12,11 +12,19 @@ import json
 import os
 import platform
 import socket
-from typing import Any, Mapping, Optional, Sequence
+import sys
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 __all__ = [
+    "launch_parsed",
+    "launch_benchmark",
+    "run_main",
+    "worker_communicators",
+    "verdict",
+    "markdown_document",
+    "write_report",
     "summarize",
     "markdown_table",
     "write_records",
@@ -25,6 +33,104 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
 ]
+
+
+T = TypeVar("T")
+
+
+class _WorkerOptions(Protocol):
+    @property
+    def worker(self) -> bool: ...
+
+
+W = TypeVar("W", bound=_WorkerOptions)
+
+
+def launch_parsed(parse: Callable[[list[str]], T], argv: Sequence[str], start: Callable[[T], int]) -> int:
+    """Parse `argv`, then `start(options)`; argparse's exits (2 for bad arguments, 0 for --help) become the
+    return code, so that a benchmark launched from the CLI or a test never exits its caller."""
+    try:
+        options = parse(list(argv))
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 0
+    return start(options)
+
+
+def launch_benchmark(
+    name: str, module: str, parse: Callable[[list[str]], Any], argv: Sequence[str], *, ranks: Optional[int] = None
+) -> int:
+    """Parse `argv` and run `python -m module` with `--worker` on its ranks; return the job's exit code.
+
+    The options need `forwarded()` (the worker's arguments), `timeout` and,
+    unless `ranks` is given, `ranks`.
+    """
+    from hpdl.bench.comm import run_worker  # here, not at the top: comm imports this module
+
+    def start(options: Any) -> int:
+        count = options.ranks if ranks is None else ranks
+        return run_worker(name, module, count, options.forwarded(), options.timeout)
+
+    return launch_parsed(parse, argv, start)
+
+
+def run_main(
+    argv: Optional[Sequence[str]],
+    parse: Callable[[list[str]], W],
+    launch: Callable[[list[str]], int],
+    worker: Callable[[W], int],
+) -> int:
+    """A benchmark module's `main`: `launch` (start the ranks) by default, `worker` on every rank with --worker.
+
+    Parsing first makes bad arguments exit here, as `python -m` expects.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    options = parse(args)
+    if not options.worker:
+        return launch(args)
+    return worker(options)
+
+
+def worker_communicators(timeout: float) -> tuple[Any, Any]:
+    """hpdl's MPI and torch (gloo) communicators over the same ranks, with one torch thread per rank (the ranks
+    share the machine's cores) and no debug checks (they would be part of the measurement)."""
+    import torch
+
+    import hpdl
+
+    torch.set_num_threads(1)
+    return hpdl.init("mpi", timeout=timeout, debug=False), hpdl.init("torch", timeout=timeout, debug=False)
+
+
+def verdict(ok: bool) -> str:
+    """'PASS' or 'MISS' before a target line: a missed target is reported, it does not fail the run."""
+    return "PASS" if ok else "MISS"
+
+
+def markdown_document(
+    title: str, header: str, blocks: Sequence[str], notes: Sequence[str], targets: Optional[Sequence[str]] = None
+) -> str:
+    """The report's Markdown: '# title', the header line, the blocks (tables, headings), the notes as a list,
+    then '## Targets' with one line per target (when given). No final newline."""
+    lines = [f"# {title}", "", header, ""]
+    for block in blocks:
+        lines += [block, ""]
+    lines += [f"- {n}" for n in notes]
+    if targets is not None:
+        lines += ["", "## Targets", ""] + [f"- {t}" for t in targets]
+    return "\n".join(lines)
+
+
+def write_report(
+    out: str, name: str, markdown: str, records: Sequence[Mapping[str, Any]], config: Mapping[str, Any], elapsed: float
+) -> None:
+    """Write `out`/`name`.md and `out`/`name`.json (the records, each with `config`), then print the Markdown
+    and what was written."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.md"), "w") as handle:
+        handle.write(markdown + "\n")
+    write_records(os.path.join(out, f"{name}.json"), records, config)
+    print(markdown)
+    print(f"\nwrote {out}/{name}.md and {name}.json in {elapsed:.0f} s")
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive, run_worker
+from hpdl.bench.comm import _positive
 
 __all__ = ["launch", "main"]
 
@@ -139,11 +139,7 @@ def launch(argv: list[str]) -> int:
         import importlib
 
         return int(importlib.import_module(STRATEGY_MODULES[strategy]).launch(argv))
-    try:
-        options = parse(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0
-    return run_worker("hpdl bench train", "hpdl.bench.train", options.ranks, options.forwarded(), options.timeout)
+    return report.launch_benchmark("hpdl bench train", "hpdl.bench.train", parse, argv)
 
 
 # --------------------------------------------------------------------------- models and contenders
@@ -326,13 +322,13 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
                 ]
             )
         ratio = mine["hpdl-mpi"]["vs_ddp"]
-        verdict = "PASS" if ratio >= TARGET_VS_DDP else "MISS"
-        verdicts.append(f"{verdict} {model}: hpdl-mpi {ratio:.2f}x DDP's samples/s (target >= {TARGET_VS_DDP}x)")
+        verdicts.append(
+            f"{report.verdict(ratio >= TARGET_VS_DDP)} {model}: hpdl-mpi {ratio:.2f}x DDP's samples/s "
+            f"(target >= {TARGET_VS_DDP}x)"
+        )
         for name in ("hpdl-mpi", "hpdl-gloo"):
             low = mine[name]["vs_ddp"]
-            verdicts.append(
-                f"{'PASS' if low >= FLOOR_VS_DDP else 'MISS'} {model}: {name} {low:.2f}x DDP (never below 1.0x)"
-            )
+            verdicts.append(f"{report.verdict(low >= FLOOR_VS_DDP)} {model}: {name} {low:.2f}x DDP (never below 1.0x)")
     return rows, verdicts
 
 
@@ -367,31 +363,21 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
         "loss = the last step's loss on rank 0; DDP-equivalent contenders train the same trajectory.",
         "Horovod: not importable here, so no column.",
     ]
-    text = "\n".join(
-        ["# hpdl bench train", "", header, "", table, "", *[f"- {n}" for n in notes], "", "## Targets", ""]
-        + [f"- {v}" for v in verdicts]
-    )
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "train.md"), "w") as handle:
-        handle.write(text + "\n")
-    report.write_records(os.path.join(options.out, "train.json"), records, config)
-    print(text)
-    print(f"\nwrote {options.out}/train.md and train.json in {elapsed:.0f} s")
+    text = report.markdown_document("hpdl bench train", header, [table], notes, verdicts)
+    report.write_report(options.out, "train", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
-    options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.worker:
-        return launch(sys.argv[1:] if argv is None else argv)
-    import torch
+    """`launch` by default; with --worker, `worker` (every rank)."""
+    return report.run_main(argv, parse, launch, worker)
 
+
+def worker(options: Options) -> int:
+    """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
     import hpdl
 
     started = time.perf_counter()
-    torch.set_num_threads(1)
-    mpi = hpdl.init("mpi", timeout=300.0, debug=False)
-    gloo = hpdl.init("torch", timeout=300.0, debug=False)
+    mpi, gloo = report.worker_communicators(300.0)
     if mpi.rank == 0:
         print(f"hpdl bench train: {mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
     records = []

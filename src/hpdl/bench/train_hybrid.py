@@ -138,10 +138,10 @@ def parse(argv: Sequence[str]) -> Options:
 
 def launch(argv: list[str]) -> int:
     """Run part 1 on 4 ranks, then part 2 on 2 ranks (each its own mpiexec); return the first failure's code."""
-    try:
-        options = parse(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0
+    return report.launch_parsed(parse, argv, _run_parts)
+
+
+def _run_parts(options: Options) -> int:
     name = "hpdl bench train --strategy hybrid"
     module = "hpdl.bench.train_hybrid"
     if options.part in ("all", "meshes"):
@@ -458,17 +458,8 @@ def write_meshes(options: Options, records: list[dict[str, Any]], config: dict[s
     ]
     table = report.markdown_table(MESH_HEADERS, rows, right_align_from=1)
     text = "\n".join(["# hpdl bench train --strategy hybrid: meshes of 4", "", header, "", table, ""])
-    text += "\n".join(f"- {n}" for n in notes) + "\n"
-    _write(options, "meshes", text, records, config, elapsed)
-
-
-def _write(options: Options, part: str, text: str, records: list, config: dict, elapsed: float) -> None:
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, f"{part}.md"), "w") as handle:
-        handle.write(text)
-    report.write_records(os.path.join(options.out, f"{part}.json"), records, config)
-    print(text)
-    print(f"wrote {options.out}/{part}.md and {part}.json in {elapsed:.0f} s")
+    text += "\n".join(f"- {n}" for n in notes)
+    report.write_report(options.out, "meshes", text, records, config, elapsed)
 
 
 # --------------------------------------------------------------------------- part 2: tp=2 against torch
@@ -520,9 +511,7 @@ def run_torch_tp(options: Options) -> None:
     from hpdl.parallel.tensor import parallelize, vocab_parallel_cross_entropy
 
     started = time.perf_counter()
-    torch.set_num_threads(1)
-    mpi = hpdl.init("mpi", timeout=600.0, debug=False)
-    gloo = hpdl.init("torch", timeout=600.0, debug=False)
+    mpi, gloo = report.worker_communicators(600.0)
     vocab = 96
     config = make_config(options, vocab)
     x, y = make_data(options, vocab)
@@ -660,9 +649,9 @@ def write_torch_tp(options: Options, records: list[dict[str, Any]], config: dict
     verdicts = []
     for name in ("hpdl-mpi", "hpdl-gloo"):
         ratio = by[name]["vs_torch_tp"]
-        verdict = "PASS" if ratio >= TARGET_VS_TORCH else "MISS"
         verdicts.append(
-            f"{verdict} {name}: {ratio:.2f}x torch.distributed.tensor.parallel (target >= {TARGET_VS_TORCH}x)"
+            f"{report.verdict(ratio >= TARGET_VS_TORCH)} {name}: {ratio:.2f}x torch.distributed.tensor.parallel "
+            f"(target >= {TARGET_VS_TORCH}x)"
         )
     header = (
         f"tp=2 on 2 ranks: {config['model']}, batch {options.batch} (every tp rank sees the whole batch), "
@@ -679,15 +668,17 @@ def write_torch_tp(options: Options, records: list[dict[str, Any]], config: dict
         "loss: the same model, weights and data: every contender trains the same trajectory.",
     ]
     text = "\n".join(["# hpdl bench train --strategy hybrid: tp=2 against torch", "", header, "", table, ""])
-    text += "\n".join(f"- {n}" for n in notes) + "\n\n## Targets\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
-    _write(options, "tp-vs-torch", text, records, config, elapsed)
+    text += "\n".join(f"- {n}" for n in notes) + "\n\n## Targets\n\n" + "\n".join(f"- {v}" for v in verdicts)
+    report.write_report(options.out, "tp-vs-torch", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    options = parse(args)
-    if not options.worker:
-        return launch(args)
+    """`launch` by default; with --worker, `worker` (every rank)."""
+    return report.run_main(argv, parse, launch, worker)
+
+
+def worker(options: Options) -> int:
+    """The worker (every rank) of one part: the meshes on 4 ranks, or tp=2 against torch on 2."""
     if options.part == "meshes":
         run_meshes(options)
     else:

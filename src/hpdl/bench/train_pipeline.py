@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive, run_worker
+from hpdl.bench.comm import _positive
 
 __all__ = ["launch", "main", "CONTENDERS"]
 
@@ -113,12 +113,7 @@ def parse(argv: Sequence[str]) -> Options:
 
 def launch(argv: list[str]) -> int:
     """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
-    try:
-        options = parse(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0
-    name = "hpdl bench train --strategy pipeline"
-    return run_worker(name, "hpdl.bench.train_pipeline", options.ranks, options.forwarded(), options.timeout)
+    return report.launch_benchmark("hpdl bench train --strategy pipeline", "hpdl.bench.train_pipeline", parse, argv)
 
 
 # --------------------------------------------------------------------------- models
@@ -464,13 +459,13 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str], 
         for schedule in ("gpipe", "1f1b"):
             r = mine[f"hpdl-mpi-{schedule}"]
             verdicts.append(
-                f"{'PASS' if r['vs_torch'] >= TARGET_VS_TORCH else 'MISS'} {model}: hpdl-mpi-{schedule} "
+                f"{report.verdict(r['vs_torch'] >= TARGET_VS_TORCH)} {model}: hpdl-mpi-{schedule} "
                 f"{r['vs_torch']:.2f}x torch-{schedule}'s samples/s (target >= {TARGET_VS_TORCH}x), "
                 f"{r['of_ideal']:.0%} of the bubble-limited ideal"
             )
             bound = r["bubble_formula"] * (1 + BUBBLE_SLACK)
             verdicts.append(
-                f"{'PASS' if r['bubble_measured'] <= bound else 'MISS'} {model}: hpdl-mpi-{schedule} bubble "
+                f"{report.verdict(r['bubble_measured'] <= bound)} {model}: hpdl-mpi-{schedule} bubble "
                 f"{r['bubble_measured']:.3f} vs formula {r['bubble_formula']:.3f} (target <= {bound:.3f}; stages "
                 "balanced by layer count)"
             )
@@ -496,33 +491,22 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
         "max |param diff| = each stage's parameters after the same steps vs hpdl-mpi-1f1b (same trajectory).",
         "single = rank 0 alone on the whole model and batch (no micro-batches); its loss is its own.",
     ]
-    text = "\n".join(
-        ["# hpdl bench train --strategy pipeline", "", header, "", table, "", "Limits measured in this run:", ""]
-        + [f"- {line}" for line in limits]
-        + ["", *[f"- {n}" for n in notes], "", "## Targets", ""]
-        + [f"- {v}" for v in verdicts]
-    )
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "pipeline.md"), "w") as handle:
-        handle.write(text + "\n")
-    report.write_records(os.path.join(options.out, "pipeline.json"), records, config)
-    print(text)
-    print(f"\nwrote {options.out}/pipeline.md and pipeline.json in {elapsed:.0f} s")
+    blocks = [table, "Limits measured in this run:", "\n".join(f"- {line}" for line in limits)]
+    text = report.markdown_document("hpdl bench train --strategy pipeline", header, blocks, notes, verdicts)
+    report.write_report(options.out, "pipeline", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
-    options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.worker:
-        return launch(sys.argv[1:] if argv is None else argv)
-    import torch
+    """`launch` by default; with --worker, `worker` (every rank)."""
+    return report.run_main(argv, parse, launch, worker)
 
+
+def worker(options: Options) -> int:
+    """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
     import hpdl
 
     started = time.perf_counter()
-    torch.set_num_threads(1)
-    mpi = hpdl.init("mpi", timeout=300.0, debug=False)
-    gloo = hpdl.init("torch", timeout=300.0, debug=False)
+    mpi, gloo = report.worker_communicators(300.0)
     if mpi.rank == 0:
         print(f"{mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
     records = []

@@ -112,14 +112,13 @@ def parse(argv: Sequence[str]) -> Options:
 
 def launch(argv: list[str]) -> int:
     """Start the benchmark on its ranks and return its exit code (2 for bad arguments)."""
-    try:
-        options = parse(argv)
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return run_worker(
-        "hpdl bench train --strategy zero", "hpdl.bench.train_zero", options.ranks, options.forwarded(), options.timeout
-    )
+
+    def start(options: Options) -> int:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        name = "hpdl bench train --strategy zero"
+        return run_worker(name, "hpdl.bench.train_zero", options.ranks, options.forwarded(), options.timeout)
+
+    return report.launch_parsed(parse, argv, start)
 
 
 # --------------------------------------------------------------------------- models and contenders
@@ -416,16 +415,14 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
                 continue
             if what == "memory":
                 got = a["peak_model_state_bytes"] / b["peak_model_state_bytes"]
-                ok = got <= ratio
                 verdicts.append(
-                    f"{'PASS' if ok else 'MISS'} {model}: {contender} peak model state {got:.2f}x "
+                    f"{report.verdict(got <= ratio)} {model}: {contender} peak model state {got:.2f}x "
                     f"{peer}'s (target <= {ratio}x)"
                 )
             else:
                 got = a["samples_per_s"]["median"] / b["samples_per_s"]["median"]
-                ok = got >= ratio
                 verdicts.append(
-                    f"{'PASS' if ok else 'MISS'} {model}: {contender} {got:.2f}x {peer}'s samples/s "
+                    f"{report.verdict(got >= ratio)} {model}: {contender} {got:.2f}x {peer}'s samples/s "
                     f"(target >= {ratio}x)"
                 )
     return rows, verdicts
@@ -469,43 +466,23 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
         "neighbouring units (a unit and its prefetched neighbour in backward).",
         "hpdl stage 3 units: one per Linear (wrap_policy=(nn.Linear,)); FSDP2: fully_shard per Linear and root.",
     ]
-    text = "\n".join(
-        [
-            "# hpdl bench train --strategy zero",
-            "",
-            header,
-            "",
-            table,
-            "",
-            *[f"- {n}" for n in notes],
-            "",
-            "## Targets",
-            "",
-        ]
-        + [f"- {v}" for v in verdicts]
-    )
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "train_zero.md"), "w") as handle:
-        handle.write(text + "\n")
-    report.write_records(os.path.join(options.out, "train_zero.json"), records, config)
-    print(text)
-    print(f"\nwrote {options.out}/train_zero.md and train_zero.json in {elapsed:.0f} s")
+    text = report.markdown_document("hpdl bench train --strategy zero", header, [table], notes, verdicts)
+    report.write_report(options.out, "train_zero", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """`launch` by default; with --worker, `worker` (every rank)."""
+    return report.run_main(argv, parse, launch, worker)
+
+
+def worker(options: Options) -> int:
     """The worker (every rank): MPI and gloo communicators in one process, every contender, report on rank 0."""
-    options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.worker:
-        return launch(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch
 
     import hpdl
 
     started = time.perf_counter()
-    torch.set_num_threads(1)
-    mpi = hpdl.init("mpi", timeout=600.0, debug=False)
-    gloo = hpdl.init("torch", timeout=600.0, debug=False)
+    mpi, gloo = report.worker_communicators(600.0)
     plain_mpi: Any = mpi.split(0, mpi.rank)  # the memory phase: no shared-memory staging buffers in the count
     plain_mpi.shared_memory = False
     if mpi.rank == 0:

@@ -1,7 +1,8 @@
 """`hpdl plan`: predict step time and memory of every parallel plan, pick the best, simulate other clusters.
 
 hpdl plan --model gpt2-xl --batch 1024 --cluster 'nodes=128,gpus_per_node=8,gpu=h100,intra=nvlink,inter=ib-200'
-hpdl plan --model examples/gpt.py:make_model --batch 512 --cluster cluster.toml --out plan.toml
+hpdl plan --model my_model.py:make_model --batch 512 --cluster cluster.toml --out plan.toml
+    (your file, defining make_model() and example_input(batch); docs/plan.md shows one)
 hpdl plan memory --params 7.5e9 --dp 64 --optimizer adam --precision mixed
 hpdl plan calibrate --out cluster.toml
 hpdl plan validate [--quick]

@@ -15,6 +15,9 @@ connection yet (like a socket's receive buffer), so a sender never waits on
 its reader and closing never leaves a send hanging. CLOSE is answered by
 CLOSE; a side that has closed discards what still arrives for it.
 
+If the progress thread dies (an MPI error), every pending connect, send and
+read fails with `TransportFailed` at once instead of waiting forever.
+
 Only `Hub` touches MPI, and only from its progress thread.
 """
 
@@ -38,7 +41,7 @@ from hpdl.dask import frames as wire
 from hpdl.dask.progress import Progress
 from hpdl.errors import HpdlError
 
-__all__ = ["Channel", "Hub", "MPITransportError", "get_hub", "parse_location"]
+__all__ = ["Channel", "Hub", "MPITransportError", "TransportFailed", "get_hub", "parse_location"]
 
 logger = logging.getLogger(__name__)
 Frames = list[memoryview]
@@ -52,6 +55,19 @@ class MPITransportError(HpdlError):
 
 class TransportStopped(MPITransportError, ConnectionError):
     """The process is exiting: like a refused connection to distributed (an OSError), so nothing retries forever."""
+
+
+class TransportFailed(MPITransportError, ConnectionError):
+    """The progress thread died (its error is the cause): this process's mpi:// connections are gone."""
+
+
+def _transport_failed(error: BaseException) -> BaseException:
+    failure = TransportFailed(
+        f"the mpi:// progress thread failed ({error!r}): this process's mpi:// connections are gone; "
+        "see the log for its traceback"
+    )
+    failure.__cause__ = error
+    return failure
 
 
 def parse_location(loc: str) -> tuple[int, str]:
@@ -72,6 +88,8 @@ class Inbox:
     messages: list[Optional[Frames]] = field(default_factory=list)
     waiter: Optional[asyncio.Future[Optional[Frames]]] = None
     peer_closed: bool = False
+    failed: Optional[BaseException] = None
+    """Set when the transport has died: reads after the last received message raise it."""
 
     def put(self, message: Optional[Frames]) -> None:  # on the loop
         if message is EOF:
@@ -85,6 +103,8 @@ class Inbox:
     async def get(self) -> Optional[Frames]:
         if self.messages:
             return self.messages.pop(0)
+        if self.failed is not None:
+            raise self.failed
         if self.waiter is not None:
             raise RuntimeError("mpi:// connection: only one reader at a time")
         self.waiter = self.loop.create_future()
@@ -97,6 +117,11 @@ class Inbox:
         """Fail a waiting reader (this side closed the connection, as closing a socket does)."""
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(error)
+
+    def fail(self, error: BaseException) -> None:
+        """The transport has died: fail the waiting reader and every later read (on the loop)."""
+        self.failed = error
+        self.interrupt(error)
 
     def at_eof(self) -> bool:
         return bool(self.messages) and self.messages[0] is EOF
@@ -165,8 +190,9 @@ class Hub:
         self._arriving: set[Channel] = set()
         """Channels with messages not yet delivered."""
         self._status = MPI.Status()
-        self.progress = Progress()
+        self.progress = Progress(failure=_transport_failed)
         self.progress.add_poller(self._poll)
+        self.progress.add_failure_handler(self._on_failure)
 
     # ---------------------------------------------------------------- addresses
     def host_of(self, rank: int) -> str:
@@ -202,24 +228,36 @@ class Hub:
         return self.progress.call(op)
 
     def unlisten(self, ident: str) -> None:
-        self.progress.submit(lambda: self._listeners.pop(ident, None))
+        try:
+            self.progress.submit(lambda: self._listeners.pop(ident, None))
+        except TransportFailed:  # nothing listens any more
+            pass
 
     # ---------------------------------------------------------------- connections (event loop)
     async def connect(self, rank: int, ident: str) -> Channel:
         """Open a connection to listener `ident` on `rank`; ConnectionRefusedError if there is none (yet)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Channel] = loop.create_future()
-        self.progress.submit(functools.partial(_guarded, loop, future, self._start_connect, rank, ident, loop, future))
+        self.progress.submit(
+            functools.partial(_guarded, loop, future, self._start_connect, rank, ident, loop, future),
+            on_error=functools.partial(_reject, loop, future),
+        )
         return await future
 
     def send(self, channel: Channel, views: Frames, loop: asyncio.AbstractEventLoop) -> asyncio.Future[int]:
         """Send one message (its frames); the future is done once MPI has every buffer (they may be reused)."""
         future: asyncio.Future[int] = loop.create_future()
-        self.progress.submit(functools.partial(_guarded, loop, future, self._send, channel, views, loop, future))
+        self.progress.submit(
+            functools.partial(_guarded, loop, future, self._send, channel, views, loop, future),
+            on_error=functools.partial(_reject, loop, future),
+        )
         return future
 
     def close(self, channel: Channel) -> None:
-        self.progress.submit(lambda: self._close(channel))
+        try:
+            self.progress.submit(lambda: self._close(channel))
+        except TransportFailed:  # the transport is gone, and the connection with it
+            pass
 
     async def wait_request(self, start: Callable[[], Any]) -> None:
         """Start a non-blocking MPI operation on the progress thread (e.g. `lambda: comm.Ibarrier()`) and await it.
@@ -229,10 +267,12 @@ class Hub:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
-        def op() -> None:
-            self.progress.watch([start()], functools.partial(_resolve, loop, future))
+        reject = functools.partial(_reject, loop, future)
 
-        self.progress.submit(op)
+        def op() -> None:
+            self.progress.watch([start()], functools.partial(_resolve, loop, future), on_error=reject)
+
+        self.progress.submit(functools.partial(_guarded, loop, future, op), on_error=reject)
         await future
 
     # ---------------------------------------------------------------- progress thread
@@ -268,7 +308,12 @@ class Hub:
             header = wire.pack_header(wire.Kind.DATA, channel.cid, channel.side, len(views), *(v.nbytes for v in views))
             buffers = [header] + [v[a:b] for v in views for a, b in wire.chunks(v.nbytes, self.chunk)]
         requests = [self._isend(b, channel.peer) for b in buffers]
-        self.progress.watch(requests, functools.partial(_resolve, loop, future, total), keep=buffers)
+        self.progress.watch(
+            requests,
+            functools.partial(_resolve, loop, future, total),
+            keep=buffers,
+            on_error=functools.partial(_reject, loop, future),
+        )
 
     def _close(self, channel: Channel) -> None:
         if channel.local_closed:
@@ -379,6 +424,16 @@ class Hub:
                 _call(inbox.loop, functools.partial(inbox.put, views))
         return busy
 
+    def _on_failure(self, failure: BaseException) -> None:
+        """The progress thread is dying: fail the connects waiting for an answer and every connection's reader."""
+        connecting, self._connecting = self._connecting, {}
+        for loop, future in connecting.values():
+            _reject(loop, future, failure)
+        for channel in list(self._channels.values()):
+            inbox = channel.inbox
+            if inbox is not None:
+                _call(inbox.loop, functools.partial(inbox.fail, failure))
+
     def stop(self) -> None:
         """Stop the progress thread; if it is stuck inside MPI (a collective that never completes), abort the job:
         finalising MPI under a thread that is still in a call would crash instead of reporting."""
@@ -405,6 +460,10 @@ def _guarded(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callab
         fn(*args)
     except Exception as error:  # noqa: BLE001 - handed to the awaiting coroutine
         _resolve(loop, future, error=error)
+
+
+def _reject(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException) -> None:
+    _resolve(loop, future, error=error)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> None:

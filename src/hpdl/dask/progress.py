@@ -17,6 +17,11 @@ activity; while requests are in flight it keeps polling without sleeping
 `hot` seconds since the last completion. Idle, that is at most one wake-up
 per millisecond: no core spins. Needs MPI_THREAD_SERIALIZED at least (every MPI call of
 the transport comes from this one thread).
+
+If the thread itself fails (an MPI error, a bug), nothing may wait for it in
+vain: every watched group and every queued operation that was given an
+`on_error` gets the failure, then the failure handlers run (the transport's
+fails its pending connects and its readers), and later `submit`s raise.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ __all__ = ["Backoff", "Progress"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+OnError = Callable[[BaseException], None]
+"""Told the failure (as made by `Progress.failure`) when the progress thread dies before the work completes."""
+
+
+def _thread_failed(error: BaseException) -> BaseException:
+    failure = RuntimeError(f"the mpi:// progress thread has failed: {error!r}")
+    failure.__cause__ = error
+    return failure
 
 
 @dataclass
@@ -77,12 +90,22 @@ def poll_cap() -> float:
 class Progress:
     """The progress thread: runs submitted operations, completes request groups, calls the pollers."""
 
-    def __init__(self, name: str = "hpdl-mpi-progress", backoff: Optional[Backoff] = None) -> None:
+    def __init__(
+        self,
+        name: str = "hpdl-mpi-progress",
+        backoff: Optional[Backoff] = None,
+        failure: Callable[[BaseException], BaseException] = _thread_failed,
+    ) -> None:
         self.backoff = backoff or Backoff(cap=poll_cap())
-        self._ops: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
+        self.failure = failure
+        """Makes the exception that waiters get from the error that ended the thread."""
+        self._ops: queue.SimpleQueue[tuple[Callable[[], Any], Optional[OnError]]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._groups: list[tuple[list[Any], Callable[[], None], Any]] = []
+        self._groups: list[tuple[list[Any], Callable[[], None], Any, Optional[OnError]]] = []
         self._pollers: list[Callable[[], bool]] = []
+        self._failure_handlers: list[OnError] = []
+        self._lock = threading.Lock()
+        """Orders `submit` against the failure: an operation is either run or failed, never dropped."""
         self._stopping = False
         self.drain_seconds = 2.0
         """At stop, how long queued operations and in-flight sends may still take."""
@@ -91,11 +114,15 @@ class Progress:
         self.thread.start()
 
     # ---------------------------------------------------------------- any thread
-    def submit(self, op: Callable[[], Any]) -> None:
-        """Run `op()` on the progress thread soon (in submission order)."""
-        if self.error is not None:
-            raise RuntimeError(f"the mpi:// progress thread has failed: {self.error!r}") from self.error
-        self._ops.put(op)
+    def submit(self, op: Callable[[], Any], on_error: Optional[OnError] = None) -> None:
+        """Run `op()` on the progress thread soon (in submission order).
+
+        `on_error` is called instead if the thread dies before running `op`;
+        once it has died, `submit` raises `failure(error)`."""
+        with self._lock:
+            if self.error is not None:
+                raise self.failure(self.error)
+            self._ops.put((op, on_error))
         self._wake.set()
 
     def call(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
@@ -110,7 +137,7 @@ class Progress:
             except BaseException as error:  # noqa: BLE001 - handed back to the caller
                 future.set_exception(error)
 
-        self.submit(op)
+        self.submit(op, on_error=future.set_exception)
         return future.result(timeout=timeout)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -124,15 +151,22 @@ class Progress:
         return self.thread.is_alive() and not self._stopping
 
     # ---------------------------------------------------------------- progress thread only
-    def watch(self, requests: list[Any], on_done: Callable[[], None], keep: Any = None) -> None:
+    def watch(
+        self, requests: list[Any], on_done: Callable[[], None], keep: Any = None, on_error: Optional[OnError] = None
+    ) -> None:
         """Call `on_done()` (on this thread) once every request of the group has completed.
 
-        `keep` (the requests' buffers) stays referenced until then: MPI reads and writes them meanwhile."""
-        self._groups.append((requests, on_done, keep))
+        `keep` (the requests' buffers) stays referenced until then: MPI reads and writes them meanwhile.
+        `on_error` is called instead if the thread dies first."""
+        self._groups.append((requests, on_done, keep, on_error))
 
     def add_poller(self, poll: Callable[[], bool]) -> None:
         """`poll()` runs every tick and says whether it found work."""
         self._pollers.append(poll)
+
+    def add_failure_handler(self, handler: OnError) -> None:
+        """`handler(failure)` runs on this thread if it dies (after the watched groups and queued operations)."""
+        self._failure_handlers.append(handler)
 
     def _run(self) -> None:
         testall: Any = None  # mpi4py is imported with the first request (importing it initialises MPI)
@@ -146,7 +180,7 @@ class Progress:
                 busy = False
                 while True:
                     try:
-                        op = self._ops.get_nowait()
+                        op, _ = self._ops.get_nowait()
                     except queue.Empty:
                         break
                     op()
@@ -175,6 +209,26 @@ class Progress:
                     self._wake.clear()
                 else:
                     time.sleep(0)  # let the event loops' threads take the GIL
-        except BaseException as error:  # noqa: BLE001 - reported to every later caller
-            self.error = error
+        except BaseException as error:  # noqa: BLE001 - reported to every waiter and every later caller
             logger.exception("mpi:// progress thread failed")
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        """Hand the failure to everything that waits on this thread: nothing may hang on a dead thread."""
+        with self._lock:
+            self.error = error
+            queued = []
+            while True:
+                try:
+                    queued.append(self._ops.get_nowait()[1])
+                except queue.Empty:
+                    break
+        waiters = [group[3] for group in self._groups] + queued + self._failure_handlers
+        self._groups = []
+        for on_error in waiters:
+            if on_error is None:
+                continue
+            try:
+                on_error(self.failure(error))
+            except Exception:  # noqa: BLE001 - one broken waiter must not keep the others waiting
+                logger.exception("mpi:// progress thread: failing a waiter")

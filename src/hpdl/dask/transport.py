@@ -20,7 +20,7 @@ from distributed.comm.registry import Backend, backends
 from distributed.comm.utils import from_frames, to_frames
 
 from hpdl.dask import frames as wire
-from hpdl.dask.connection import EOF, Channel, MPITransportError, get_hub, parse_location
+from hpdl.dask.connection import EOF, Channel, MPITransportError, TransportFailed, get_hub, parse_location
 
 __all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "MPITransportError", "register"]
 
@@ -61,6 +61,9 @@ class MPIComm(Comm):
             frames = await inbox.get()
         except CommClosedError:
             raise
+        except TransportFailed as error:  # the transport died: to distributed, like a TCP connection reset
+            self.abort()
+            raise CommClosedError(f"{self!r}: {error}") from error
         except BaseException:
             self.abort()  # like TCP: a read interrupted half-way leaves the stream unusable
             raise
@@ -91,6 +94,9 @@ class MPIComm(Comm):
         except CommClosedError:
             self._closed = True
             raise
+        except TransportFailed as error:
+            self._closed = True
+            raise CommClosedError(f"{self!r}: {error}") from error
 
     async def close(self) -> None:
         self.abort()
@@ -107,8 +113,8 @@ class MPIComm(Comm):
         if self._closed:
             return True
         inbox = self._channel.inbox
-        if inbox is not None and inbox.at_eof():  # the peer closed and every earlier message has been read
-            self._closed = True
+        if inbox is not None and (inbox.at_eof() or (inbox.failed is not None and not inbox.messages)):
+            self._closed = True  # the peer closed (or the transport died) and every earlier message has been read
         return self._closed
 
 

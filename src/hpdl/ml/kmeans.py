@@ -294,7 +294,7 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
             raise RuntimeError("KMeans: no initialisation ran")
         best_inertia, centres, n_iter, sizes = best
         self.cluster_centers_ = (centres.astype(np.float64) + mean).astype(shards.dtype)
-        self.labels_ = data.map(_labels_block, centres, dtype=np.int32)
+        self.labels_ = _detached(data.map(_labels_block, centres, dtype=np.int32))
         self.inertia_ = best_inertia
         self.n_iter_ = n_iter
         self._n_features_out = k
@@ -419,6 +419,15 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
         tags = super().__sklearn_tags__()
         tags.input_tags.sparse = False
         return tags
+
+
+def _detached(labels: Any) -> Any:
+    """Labels that no longer need the centred copy of X: a lazy Dask array would keep that copy (persisted on the
+    workers by `fit`) for the model's whole life, so Dask labels are persisted now (n int32 values) and the
+    centred blocks are released when `fit` returns. They are the labels of the final centres in the centred frame,
+    exactly as scikit-learn computes them."""
+    persist = getattr(labels, "persist", None)
+    return persist() if persist is not None else labels
 
 
 def _predict_block(block: tuple, meta: Any, centres: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from hpdl.parallel.data_parallel import DataParallel
 from hpdl.parallel.plan_config import AXES, Plan, PlanError, resolve_degrees
 from hpdl.parallel.tensor.parallelize import parallelize
 
-__all__ = ["Mesh", "build", "clip_grad_norm_"]
+__all__ = ["Mesh", "build", "clip_grad_norm_", "clip_by_global_norm_"]
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def build(
     if plan.zero_stage:
         from hpdl.parallel.zero import zero
 
-        return zero(
+        zmodel, zopt = zero(
             model,
             mesh.dp,
             plan.zero_stage,
@@ -206,6 +206,8 @@ def build(
             mixed_precision=plan.mixed_precision,
             **optimizer_options,
         )
+        zmodel.mesh = mesh  # the ZeRO optimizer's clip_grad_norm_ then spans tp as well
+        return zmodel, zopt
     wrapped: nn.Module = model
     if mesh.dp.size > 1:
         wrapped = DataParallel(model, mesh.dp, bucket_mb=plan.bucket_mb, compression=plan.compression)
@@ -244,6 +246,7 @@ def _build_pipeline(
                 mixed_precision=plan.mixed_precision,
                 **optimizer_options,
             )
+            zmodel.mesh = mesh  # the ZeRO optimizer's clip_grad_norm_ then spans tp and pp as well
             made["optimizer"] = zopt
             return zmodel
         if mesh.dp.size > 1:
@@ -269,45 +272,89 @@ LAYER_NAMES: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictiona
 
 
 @torch.no_grad()
+def clip_by_global_norm_(
+    grads: Iterable[Optional[torch.Tensor]],
+    max_norm: float,
+    *,
+    counted: Optional[Iterable[Optional[torch.Tensor]]] = None,
+    groups: Sequence[Optional[Communicator]] = (),
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Scale `grads` in place so that their global norm is at most `max_norm`; return the norm before clipping.
+
+    The one implementation behind every `clip_grad_norm_` of hpdl (plain or
+    data parallel, ZeRO shards, tp x pp meshes). `counted`: the gradients
+    that enter the norm (default: all of `grads`; a tp rank > 0 leaves its
+    replicated parameters out so they count once). `groups`: communicators
+    over which this rank's partial sum of |g|^p (max |g| for the inf-norm)
+    is combined: the ranks that hold *other* parts of the model. Collective
+    over each group. Computes on the gradients' device in their dtype (at
+    least float32) and scales as `torch.nn.utils.clip_grad_norm_` does,
+    with its 1e-6 guard.
+    """
+    try:
+        limit = float(max_norm)
+    except (TypeError, ValueError):
+        raise TypeError(f"clip_grad_norm_: max_norm={max_norm!r} must be a positive number") from None
+    if not limit > 0:
+        raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r} must be a positive number")
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} must be positive (2.0, 1.0 or inf)")
+    scaled = [g for g in grads if g is not None]
+    terms = scaled if counted is None else [g for g in counted if g is not None]
+    device = scaled[0].device if scaled else torch.device("cpu")
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in scaled) else torch.float32
+    infinite = math.isinf(norm_type)
+    parts = [g.detach() for g in terms if g.numel()]
+    if not parts:
+        local = torch.zeros((), dtype=dtype, device=device)
+    elif infinite:
+        local = torch.stack([g.abs().max().to(device, dtype) for g in parts]).max()
+    else:
+        powers = [torch.linalg.vector_norm(g, norm_type, dtype=dtype).to(device) ** norm_type for g in parts]
+        local = torch.stack(powers).sum()
+    reduce = [c for c in groups if c is not None and c.size > 1]
+    if reduce:  # one number per rank: float64 on the host, whatever the device
+        wire = local.reshape(1).to("cpu", torch.float64)
+        for comm in reduce:
+            comm.allreduce(wire, "max" if infinite else "sum")
+        local = wire.reshape(()).to(device, dtype)
+    total = local if infinite else local ** (1.0 / norm_type)
+    coefficient = torch.clamp(limit / (total + 1e-6), max=1.0)
+    for g in scaled:
+        g.detach().mul_(coefficient.to(g.device, g.dtype))
+    return total
+
+
 def clip_grad_norm_(model: Any, max_norm: float, mesh: Mesh, *, norm_type: float = 2.0) -> torch.Tensor:
     """Scale this rank's gradients so that the global gradient norm of the whole model is at most `max_norm`.
 
     Call it after backward (or `pipe.step`) and before `optimizer.step()`
-    on every rank of the mesh (collective over tp and pp). The norm counts
-    each logical parameter once: tp slices of split parameters are summed
-    over the tp group, replicated parameters (layer norms, row biases) are
-    counted on tp rank 0 only, stages are summed over pp, and dp replicas
-    already hold the same averaged gradients. Returns the norm before
-    clipping (like `torch.nn.utils.clip_grad_norm_`, with its 1e-6 guard).
-    ZeRO models: use the ZeRO optimizer's `clip_grad_norm_` (dp only).
+    on every rank of the mesh (collective over tp and pp, and dp under
+    ZeRO). The norm counts each logical parameter once: tp slices of split
+    parameters are summed over the tp group, replicated parameters (layer
+    norms, row biases) are counted on tp rank 0 only, stages are summed
+    over pp, and dp replicas already hold the same averaged gradients (ZeRO
+    shards, which are disjoint, are summed over dp). Returns the norm
+    before clipping (like `torch.nn.utils.clip_grad_norm_`, with its 1e-6
+    guard).
     """
     from hpdl.parallel.mesh_state import _view
     from hpdl.parallel.tensor.state import tp_shards
+    from hpdl.parallel.zero import ZeroModel, clip_zero_grad_norm_
 
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"clip_grad_norm_: mesh must be the hpdl.parallel.Mesh the model was built on, got {mesh!r}")
     view = _view(model)
-    if view.wrapper is not None and type(view.wrapper).__name__ == "ZeroModel":
-        raise NotImplementedError(
-            "clip_grad_norm_ over a mesh: ZeRO keeps gradient shards; with pp = tp = 1 call "
-            "optimizer.clip_grad_norm_(max_norm) (the ZeRO optimizer's), otherwise clip without ZeRO"
-        )
+    if isinstance(view.wrapper, ZeroModel):  # disjoint shards over dp: summed there too
+        return clip_zero_grad_norm_(view.wrapper, max_norm, norm_type=norm_type, mesh=mesh)
     split = set(tp_shards(view.plain))
-    grads = [(name in split, p.grad) for name, p in view.plain.named_parameters() if p.grad is not None]
-    norm_type = float(norm_type)
-    counted = [g for is_split, g in grads if is_split or mesh.tp.rank == 0]
-    if math.isinf(norm_type):
-        local = max((float(g.abs().max()) for g in counted if g.numel()), default=0.0)
-        total = torch.tensor([local], dtype=torch.float64)
-        for sub in (mesh.tp, mesh.pp):
-            sub.allreduce(total, "max")
-    else:
-        local = sum(float(g.double().abs().pow(norm_type).sum()) for g in counted)
-        total = torch.tensor([local], dtype=torch.float64)
-        for sub in (mesh.tp, mesh.pp):
-            sub.allreduce(total, "sum")
-        total = total.pow(1.0 / norm_type)
-    norm = float(total[0])
-    coef = float(max_norm) / (norm + 1e-6)
-    if coef < 1.0:
-        for _, g in grads:
-            g.mul_(coef)
-    return torch.tensor(norm, dtype=torch.float64)
+    named = [(name in split, p.grad) for name, p in view.plain.named_parameters() if p.grad is not None]
+    return clip_by_global_norm_(
+        [g for _, g in named],
+        max_norm,
+        counted=[g for is_split, g in named if is_split or mesh.tp.rank == 0],
+        groups=(mesh.tp, mesh.pp),
+        norm_type=norm_type,
+    )

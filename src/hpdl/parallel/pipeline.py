@@ -5,6 +5,7 @@
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)   # this rank's stage only
     loss = pipe.step(x, y, loss_fn)                           # every micro-batch forward and backward
     optimizer.step()
+    pipe.close()                                              # or: with Pipeline(...) as pipe:
 
 Rank r of `comm` runs stage r. The inputs `x` are read on the first stage
 only, the targets `y` and `loss_fn` on the last stage only (other ranks may
@@ -99,9 +100,17 @@ class Pipeline:
             self.module = wrap_stage(self.layers) if wrap_stage is not None else self.layers
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"wrap_stage returned {type(self.module).__name__}, not an nn.Module")
-        # A private communicator: the pipeline's messages never meet the caller's own.
-        self.comm = comm.split(0, comm.rank) if comm.size > 1 else comm
-        assert self.comm is not None
+        from hpdl.parallel.zero import ZeroModel
+
+        if isinstance(self.module, ZeroModel):  # its clip_grad_norm_ must know that it holds one stage
+            self.module.pipeline_stages = self.stages
+        # A private communicator: the pipeline's messages never meet the caller's own (`close` frees it).
+        private = comm.split(0, comm.rank) if comm.size > 1 else comm
+        if private is None:
+            raise RuntimeError(f"Pipeline: splitting a private communicator from {comm!r} gave none")
+        self.comm = private
+        self._owns_comm = private is not comm
+        self.closed = False
         self._engine = StageEngine(
             self.module, Link(self.comm, self.stage, self.stages), schedule=schedule, chunks=chunks,
             checkpoint=checkpoint,
@@ -133,6 +142,31 @@ class Pipeline:
             return balancing.partition(table[:, 0].tolist(), comm.size, memory=table[:, 1].tolist())
         return balancing.check_balance(balance, len(layers), comm.size)
 
+    # ------------------------------------------------------------------ life cycle
+    def close(self) -> None:
+        """Free the pipeline's private communicator, its buffers and its hooks; idempotent.
+
+        Collective: every stage calls it (closing a communicator meets the
+        other ranks, with a bounded wait). The caller's communicator and the
+        stage's modules stay usable; this Pipeline does not.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._engine.close()
+        if self._owns_comm:
+            self.comm.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise PipelineError(f"Pipeline.{what}: this pipeline was closed; build a new Pipeline")
+
     # ------------------------------------------------------------------ training and inference
     def step(self, x: Any, y: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the batch's mean loss on every rank (a 0-d tensor).
@@ -143,11 +177,13 @@ class Pipeline:
         weighted by their share of the rows, so the gradients are those of
         the whole batch even when the rows do not divide evenly.
         """
+        self._check_open("step")
         return torch.tensor(self._engine.run(TRAIN, x, y, loss_fn), dtype=torch.float64)
 
     @torch.no_grad()
     def predict(self, x: Any) -> Any:
         """The model's output for `x` (without gradients) on the last stage; None on the other stages."""
+        self._check_open("predict")
         return self._engine.run(PREDICT, x, None, None)
 
     forward = predict

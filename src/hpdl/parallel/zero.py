@@ -19,11 +19,10 @@ on N ranks, is `memory_formula`.
 
 from __future__ import annotations
 
-import math
 import sys
 import types
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +34,10 @@ from hpdl.parallel.zero_reduce import ShardReducer
 from hpdl.parallel.zero_stage3 import ParamScheduler, WrapPolicy, units_by_policy
 from hpdl.parallel.zero_units import UnitBuffers, build_unit
 
-__all__ = ["zero", "ZeroModel", "ZeroOptimizer", "memory_formula"]
+if TYPE_CHECKING:
+    from hpdl.parallel.mesh import Mesh
+
+__all__ = ["zero", "ZeroModel", "ZeroOptimizer", "memory_formula", "clip_zero_grad_norm_"]
 
 STAGES = (1, 2, 3)
 PRECISIONS: dict[Optional[str], Optional[torch.dtype]] = {None: None, "bf16": torch.bfloat16}
@@ -91,7 +93,7 @@ def zero(
 
 def memory_formula(
     stage: int,
-    numel: int,
+    numel: float,
     ranks: int,
     *,
     param_bytes: int = 4,
@@ -212,6 +214,10 @@ class ZeroModel(nn.Module):
                 for b in module.buffers():
                     if b.dtype.is_floating_point:
                         b.data = b.data.to(self.compute_dtype)
+        self.mesh: Optional[Mesh] = None
+        """The `hpdl.parallel.Mesh` this model lives on (set by `hpdl.parallel.build`): clipping spans tp and pp."""
+        self.pipeline_stages = 1
+        """Stages of the pipeline this model is one stage of (set by `Pipeline`)."""
         self.scheduler: Optional[ParamScheduler] = None
         self.reducer: Any
         if stage == 1:
@@ -384,46 +390,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _piece_grads(self) -> list[tuple[nn.Parameter, Optional[torch.Tensor]]]:
         """(piece parameter, its reduced gradient, a view where possible) for every piece of this rank."""
-        out: list[tuple[nn.Parameter, Optional[torch.Tensor]]] = []
-        for buffers in self.model.shards:
-            used = buffers.used.tolist() if buffers.used is not None else []
-            for piece, param in zip(buffers.pieces, buffers.piece_params):
-                grad: Optional[torch.Tensor]
-                if buffers.grad is not None:  # stages 2 and 3: the reduced shard, if some rank had a gradient
-                    used_here = used[piece.index] > 0
-                    grad = buffers.grad[piece.shard_offset : piece.shard_offset + piece.numel] if used_here else None
-                else:  # stage 1: this rank's part of the averaged full gradient
-                    full = buffers.params[piece.index].grad
-                    grad = None if full is None else full.reshape(-1)[piece.start : piece.stop]
-                out.append((param, grad))
-        return out
+        return [(param, grad) for _, param, grad in _piece_grads(self.model)]
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, mesh: Optional[Mesh] = None) -> torch.Tensor:
         """Scale every rank's gradient shard so that the global gradient norm is at most `max_norm`.
 
-        Collective. Returns the global norm before clipping (as
+        Collective over the ZeRO ranks and, on a mesh, over its tp and pp
+        groups. Returns the global norm before clipping (as
         `torch.nn.utils.clip_grad_norm_` does, with the same 1e-6 guard).
+        `mesh`: the `hpdl.parallel.Mesh` the model lives on when it is
+        tensor parallel or a pipeline stage (`hpdl.parallel.build` records
+        it, so its optimizers need none): split parameters are summed over
+        tp, replicated ones counted once, stages summed over pp.
         """
-        self._sync()
-        grads = [g for _, g in self._piece_grads() if g is not None]
-        norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-            total_t = torch.tensor([local], dtype=torch.float64)
-            self.comm.allreduce(total_t, "max")
-        else:
-            local = sum(float(g.double().abs().pow(norm_type).sum()) for g in grads)
-            total_t = torch.tensor([local], dtype=torch.float64)
-            self.comm.allreduce(total_t, "sum")
-            total_t = total_t.pow(1.0 / norm_type)
-        total = float(total_t[0])
-        coef = min(1.0, float(max_norm) / (total + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        dtype = grads[0].dtype if grads else torch.float32
-        return torch.tensor(total, dtype=dtype)
+        return clip_zero_grad_norm_(self.model, max_norm, norm_type=norm_type, mesh=mesh)
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -537,6 +517,67 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.model.stage}, ranks={self.comm.size}, inner={self.optimizer!r})"
+
+
+@torch.no_grad()
+def clip_zero_grad_norm_(
+    model: ZeroModel, max_norm: float, *, norm_type: float = 2.0, mesh: Optional[Mesh] = None
+) -> torch.Tensor:
+    """`ZeroOptimizer.clip_grad_norm_` (and `hpdl.parallel.mesh.clip_grad_norm_` of a ZeRO model): the shards
+    are disjoint over the ZeRO ranks, so their partial norms are summed there, then over tp and pp on a mesh."""
+    from hpdl.parallel.mesh import Mesh, clip_by_global_norm_
+    from hpdl.parallel.tensor.state import tp_shards
+
+    mesh = mesh if mesh is not None else model.mesh
+    split = set(tp_shards(model.module))
+    if mesh is None and (split or model.pipeline_stages > 1):
+        where = (
+            f"{len(split)} of its parameters are tensor-parallel slices"
+            if split
+            else f"it is one stage of a {model.pipeline_stages}-stage pipeline"
+        )
+        raise ValueError(
+            f"clip_grad_norm_: this ZeRO model is part of a larger model ({where}); a norm over the ZeRO ranks "
+            "alone would differ between tp ranks or stages and the replicas would drift apart. Pass "
+            "mesh=<the hpdl.parallel.Mesh it lives on> (models from hpdl.parallel.build carry theirs), or call "
+            "hpdl.parallel.clip_grad_norm_(model, max_norm, mesh)"
+        )
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"clip_grad_norm_: mesh must be an hpdl.parallel.Mesh, got {type(mesh).__name__}")
+        if (mesh.dp.size, mesh.dp.rank) != (model.comm.size, model.comm.rank):
+            raise ValueError(
+                f"clip_grad_norm_: the mesh's dp group (rank {mesh.dp.rank} of {mesh.dp.size}) is not the ZeRO "
+                f"group (rank {model.comm.rank} of {model.comm.size}): pass the mesh the model was built on"
+            )
+    if model.unsynced:
+        model.sync_gradients()
+    pieces = [(name, grad) for name, _, grad in _piece_grads(model) if grad is not None]
+    first_tp = mesh is None or mesh.tp.rank == 0
+    return clip_by_global_norm_(
+        [g for _, g in pieces],
+        max_norm,
+        counted=[g for name, g in pieces if first_tp or name in split],
+        groups=(model.comm,) if mesh is None else (model.comm, mesh.tp, mesh.pp),
+        norm_type=norm_type,
+    )
+
+
+def _piece_grads(model: ZeroModel) -> list[tuple[str, nn.Parameter, Optional[torch.Tensor]]]:
+    """(parameter name, piece parameter, its reduced gradient, a view where possible) for every piece here."""
+    out: list[tuple[str, nn.Parameter, Optional[torch.Tensor]]] = []
+    for buffers in model.shards:
+        used = buffers.used.tolist() if buffers.used is not None else []
+        for piece, param in zip(buffers.pieces, buffers.piece_params):
+            grad: Optional[torch.Tensor]
+            if buffers.grad is not None:  # stages 2 and 3: the reduced shard, if some rank had a gradient
+                used_here = used[piece.index] > 0
+                grad = buffers.grad[piece.shard_offset : piece.shard_offset + piece.numel] if used_here else None
+            else:  # stage 1: this rank's part of the averaged full gradient
+                full = buffers.params[piece.index].grad
+                grad = None if full is None else full.reshape(-1)[piece.start : piece.stop]
+            out.append((piece.name, param, grad))
+    return out
 
 
 def _unique_trainable(module: nn.Module, stage: int) -> list[tuple[str, nn.Parameter]]:

@@ -174,10 +174,15 @@ class ShardReducer:
         self._work[u] = self.comm.reduce_scatter(staging, "avg", out=out, async_op=True)
 
     def _poll(self) -> None:
+        """Retire the reductions that finished, in launch order: their staging rows are freed at once, so a
+        backward pass holds the staging of the units in flight only, not a full-size gradient by its end."""
         while self._polled < self._next:
-            work = self._work[self.order[self._polled]]
-            if work is not None and not work.is_completed():
-                return
+            u = self.order[self._polled]
+            work = self._work[u]
+            if work is not None:
+                if not work.is_completed():
+                    return
+                self._retire(u)
             self._polled += 1
 
     def _reduce_rest(self) -> None:
@@ -193,9 +198,13 @@ class ShardReducer:
 
     def _wait_all(self) -> None:
         for u in self.order:
-            work = self._work[u]
-            if work is None:
-                continue
+            if self._work[u] is not None:
+                self._retire(u)
+
+    def _retire(self, u: int) -> None:
+        """Wait for unit `u`'s reduce-scatter, write (or add) its result into the gradient shard, free its rows."""
+        work = self._work[u]
+        if work is not None:
             work.wait()
             buffers = self.units[u]
             out = self._out[u]

@@ -20,7 +20,7 @@ from typing import Any
 
 from hpdl.plan import collectives as coll
 from hpdl.plan.cluster import Cluster
-from hpdl.plan.memory import in_flight, model_states, optimizer_traffic, state_bytes
+from hpdl.plan.memory import in_flight, optimizer_traffic, state_bytes
 from hpdl.plan.profile import ModelProfile
 
 __all__ = ["Workload", "Candidate", "Estimate", "CostModel", "balance", "explain_breakdown", "RECOMPUTE"]
@@ -137,43 +137,14 @@ class Estimate:
 def balance(weights: list[float], parts: int) -> list[int]:
     """Split `weights` into `parts` contiguous non-empty runs minimising the largest sum; returns run lengths.
 
-    Binary search on the largest sum with a greedy check (O(L log)); the
-    pipeline engineer's balance="auto" solves the same problem on measured times.
+    The pipeline's own partition (`hpdl.parallel.pipe.balance.partition`, exact dynamic programming), so a
+    predicted split is the split balance="auto" makes from the same per-layer costs.
     """
-    n = len(weights)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot split {n} layers into {parts} pipeline stages")
-    lo, hi = max(weights), sum(weights)
+    from hpdl.parallel.pipe.balance import partition
 
-    def runs(limit: float) -> list[int]:
-        out, acc, count = [], 0.0, 0
-        for w in weights:
-            if count and acc + w > limit:
-                out.append(count)
-                acc, count = 0.0, 0
-            acc += w
-            count += 1
-        out.append(count)
-        return out
-
-    for _ in range(60):
-        if hi - lo <= 1e-9 * max(hi, 1e-30):
-            break
-        mid = (lo + hi) / 2
-        if len(runs(mid)) <= parts:
-            hi = mid
-        else:
-            lo = mid
-    result = runs(hi)
-    # Fewer runs than parts: split the heaviest multi-layer runs until there are `parts`.
-    while len(result) < parts:
-        starts = [sum(result[:i]) for i in range(len(result))]
-        loads = [
-            (sum(weights[s : s + r]), i) for i, (s, r) in enumerate(zip(starts, result)) if r > 1
-        ]  # at least one exists since parts <= n
-        _, i = max(loads)
-        result[i : i + 1] = [result[i] - 1, 1] if result[i] > 1 else [result[i]]
-    return result
+    if not 1 <= parts <= len(weights):
+        raise ValueError(f"cannot split {len(weights)} layers into {parts} pipeline stages")
+    return partition(weights, parts)
 
 
 @dataclass(frozen=True)
@@ -434,8 +405,21 @@ class CostModel:
         self, c: Candidate, s: _Stage, p: int, b: float, recomputes: bool, bucket: float
     ) -> tuple[dict[str, float], float, float]:
         """Model states and buffers, and activations as (bytes per alive micro-batch, fixed bytes)."""
+        from hpdl.parallel.zero import memory_formula
+
         wl, cl = self.workload, self.cluster
-        states = model_states(s.params, c.dp, c.zero, wl.optimizer, wl.precision)
+        # M1: model states as hpdl's ZeRO keeps them (hpdl.parallel.zero.memory_formula): in mixed precision the
+        # gradient shards of stages 2 and 3 are fp32, and at stage 3 the fp32 master shard is the parameter (the
+        # paper's 16 Psi / N total at stage 3 is unchanged).
+        mixed = wl.precision == "mixed"
+        states = memory_formula(
+            c.zero,
+            s.params,  # a real count: tensor parallelism divides it
+            c.dp,
+            param_bytes=self.bytes.param,
+            state_bytes=self.bytes.optimizer - (4 if mixed else 0),  # the formula adds the fp32 master copy
+            mixed_precision=mixed,
+        )
         # M2: activations = alive x per-micro-batch bytes, alive = GPipe m, 1F1B min(p - i, m); no pipeline: 1.
         if recomputes:
             # M3: only each layer's input is kept; one layer's activations live while it recomputes.
@@ -450,19 +434,14 @@ class CostModel:
             buffers = min(2 * bucket, s.params * self.bytes.grad)
         else:
             buffers = 0.0
-        grads, params = states.grads, states.params
-        if wl.precision == "mixed" and c.zero >= 2:
-            # M1'': hpdl keeps fp32 gradient shards, and at stage 3 the fp32 master shard is the parameter
-            # (hpdl.parallel.zero.memory_formula); the paper's 16 Psi / N total at stage 3 is unchanged.
-            grads = s.params * 4 / c.dp
-            params = 0.0 if c.zero == 3 else params
+        grads, params = states["grads"], states["params"]
         if c.zero == 2 and p > 1:
             # M1': with a pipeline, ZeRO-2 accumulates the micro-batches' gradients in full, then reduce-scatters.
             grads = s.params * self.bytes.grad
         memory = {
             "params": params,
             "grads": grads,
-            "optimizer": states.optimizer,
+            "optimizer": states["optimizer"],
             "activations": 0.0,
             "buffers": buffers,
             "reserved": cl.reserved_bytes,

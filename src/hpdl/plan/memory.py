@@ -15,6 +15,13 @@ also the parameters (stage 3) by N:
 
 For Psi = 7.5e9, N = 64 these are 120, 31.4, 16.6 and 1.875 GB (the paper's
 Figure 1).
+
+The formulas themselves live beside the implementations, once:
+`hpdl.parallel.zero.memory_formula` (here with K folded into the optimizer
+state and 16-bit gradient shards, the paper's accounting; the cost model
+calls it with hpdl's own mixed precision) and
+`hpdl.parallel.pipe.schedule.bubble_fraction`. They are imported on first
+use: planning needs no torch until a model is measured.
 """
 
 from __future__ import annotations
@@ -102,12 +109,12 @@ def model_states(params: float, dp: int, stage: int, optimizer: str = "adam", pr
         raise ValueError(f"ZeRO stage {stage!r}: use 0 (plain data parallel), 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp = {dp!r}: the data-parallel degree is at least 1")
+    from hpdl.parallel.zero import memory_formula
+
     b = state_bytes(optimizer, precision)
-    return ModelStates(
-        params=params * b.param / (dp if stage >= 3 else 1),
-        grads=params * b.grad / (dp if stage >= 2 else 1),
-        optimizer=params * b.optimizer / (dp if stage >= 1 else 1),
-    )
+    # the paper's accounting: K (master copy included) as optimizer state, gradient shards as wide as the gradients
+    parts = memory_formula(stage, params, dp, param_bytes=b.param, state_bytes=b.optimizer)
+    return ModelStates(params=parts["params"], grads=parts["grads"], optimizer=parts["optimizer"])
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> Fraction:
@@ -116,9 +123,13 @@ def bubble_fraction(stages: int, micro_batches: int) -> Fraction:
     Huang et al., "GPipe", NeurIPS 2019: each of p stages waits p - 1 slots
     while m micro-batches fill and drain the pipe. 1F1B has the same bubble.
     """
+    from hpdl.parallel.pipe.schedule import bubble_fraction as schedule_bubble
+
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"bubble of p={stages}, m={micro_batches}: both must be >= 1")
-    return Fraction(stages - 1, micro_batches + stages - 1)
+    # the pipeline's float, made exact again: its denominator divides m + p - 1, and any two fractions with such
+    # denominators differ by far more than the float's rounding
+    return Fraction(schedule_bubble(stages, micro_batches)).limit_denominator(micro_batches + stages - 1)
 
 
 def in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) -> int:

@@ -63,36 +63,19 @@ def clip_grad_norm_(
     Without `comm` the gradients are taken to be complete on this rank (after
     DataParallel's allreduce they are equal on every rank, so the norm is the
     same everywhere): this is `torch.nn.utils.clip_grad_norm_`. With `comm`,
-    each rank holds a disjoint shard of the parameters (ZeRO-2/3, tensor
-    parallel): the per-rank sums of |g|^p are summed across ranks first, so
-    that every rank clips by the same global norm.
+    the ranks of `comm` hold *disjoint* parts of the parameters, every
+    parameter on exactly one rank: the per-rank sums of |g|^p are summed
+    across ranks first, so that every rank clips by the same global norm.
+    Not for parameters that several ranks hold: tensor-parallel models
+    replicate some (layer norms, biases), which this would count once per
+    tp rank; use `hpdl.parallel.mesh.clip_grad_norm_(model, max_norm, mesh)`
+    there, and a ZeRO optimizer's own `clip_grad_norm_` for ZeRO shards.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if max_norm <= 0:
-        raise ValueError(f"clip_grad_norm_: max_norm={max_norm} must be positive")
-    device = grads[0].device if grads else torch.device("cpu")
-    if math.isinf(norm_type):
-        local = (
-            torch.stack([g.detach().abs().max().float() for g in grads]).max()
-            if grads
-            else torch.zeros((), device=device)
-        )
-        if comm is not None and comm.size > 1:
-            local = comm.allreduce(local.reshape(1).clone(), op="max").reshape(())
-        total = local
-    else:
-        powered = (
-            torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads]).sum()
-            if grads
-            else torch.zeros((), device=device)
-        )
-        if comm is not None and comm.size > 1:
-            powered = comm.allreduce(powered.reshape(1).double(), op="sum").reshape(()).float()
-        total = powered ** (1.0 / norm_type)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coefficient.to(g.device, g.dtype))
-    return total
+    from hpdl.parallel.mesh import clip_by_global_norm_
+
+    return clip_by_global_norm_(
+        [p.grad for p in parameters], max_norm, groups=(comm,) if comm is not None else (), norm_type=norm_type
+    )
 
 
 @dataclass
@@ -280,7 +263,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.max_grad_norm is not None:
-            norm = clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            own = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeRO: sharded gradients, its own global norm
+            norm = own(self.max_grad_norm) if own else clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
             if self.scaler is None and not bool(torch.isfinite(norm)):
                 self._non_finite(losses, what=f"gradient norm ({float(norm)})")
         with self._span("optimizer"):

@@ -119,6 +119,13 @@ class StageEngine:
 
         self._hooks = [layer.register_forward_hook(after_layer) for layer in layers.children()]
 
+    def close(self) -> None:
+        """Remove the hooks from the user's modules and drop the link's buffers (the pipeline is done)."""
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
+        self._hooks = []
+        self.link.close()
+
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
