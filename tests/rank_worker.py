@@ -1,5 +1,6 @@
 """One rank of a test pool (see rankpool.py): run bodies sent by the pytest process until told to exit."""
 
+import faulthandler
 import pickle
 import sys
 import traceback
@@ -9,6 +10,7 @@ import hpdl
 
 
 def main() -> None:
+    faulthandler.enable()  # a rank that crashes (a signal, not an exception) leaves its stack in the pool's output
     host, port, key = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
     comm = hpdl.init()
     print(f"rank worker {comm.rank}: initialised ({comm.backend})", file=sys.stderr, flush=True)
