@@ -132,7 +132,7 @@ class RankPool:
             if not log.closed:
                 log.flush()
         with open(self._log_path) as handle:
-            return handle.read()[-6000:]
+            return handle.read()[-30000:]
 
     def close(self) -> None:
         if self.alive:

@@ -39,6 +39,12 @@ def poll_until(test: Callable[[], bool], deadline: float) -> bool:
             time.sleep(IDLE_SLEEP)
 
 
+_ORPHANS: list[Any] = []
+"""Unfinished MPI operations whose handles were dropped (e.g. a step abandoned after a failure). MPI holds
+only the buffers' addresses and may still write into them when a peer's message arrives: they are kept
+here, alive, until MPI says they are done, so that memory is never reused under a pending transfer."""
+
+
 class Work(Generic[T]):
     """An operation in flight. `wait()` returns its result, or raises within the timeout.
 
@@ -109,6 +115,18 @@ class Work(Generic[T]):
                 raise self._comm._timeout_error(self.op, self.seq, limit)
             self._complete()
         return self._result  # type: ignore[return-value]
+
+    def __del__(self) -> None:
+        if self._done or getattr(self._comm, "backend", None) != "mpi":
+            return
+        _ORPHANS[:] = [work for work in _ORPHANS if not work._finished_quietly()]
+        _ORPHANS.append(self)  # resurrected: the buffers outlive the dropped handle (PEP 442)
+
+    def _finished_quietly(self) -> bool:
+        try:
+            return self._done or bool(self._test())
+        except Exception:  # the engine is gone (MPI finalized): nothing can write any more
+            return True
 
     def _complete(self) -> None:
         result = self._finish() if self._finish is not None else None
