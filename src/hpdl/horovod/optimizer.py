@@ -9,11 +9,12 @@ import torch
 
 from hpdl.horovod.ops import Adasum, Compression, check_op, compression_name, world
 from hpdl.parallel.buckets import GradientReducer
+from hpdl.parallel.optimizer_proxy import InnerOptimizerState
 
 __all__ = ["DistributedOptimizer"]
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+class _DistributedOptimizer(InnerOptimizerState, torch.optim.Optimizer):
     """Wraps an optimizer: gradients are averaged during backward; `step()` waits for them, then steps.
 
     It shares `param_groups` and `state` with the wrapped optimizer (so LR
@@ -70,33 +71,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             op=reduce_op,
             sync_every=self.backward_passes_per_step,
         )
-
-    # The wrapped optimizer's load_state_dict replaces its param_groups and state objects: never keep copies.
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        inner = self.__dict__.get("optimizer")
-        return inner.param_groups if inner is not None else self.__dict__.setdefault("_scratch", {})["groups"]
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        inner = self.__dict__.get("optimizer")
-        if inner is not None:
-            inner.param_groups = value
-        else:
-            self.__dict__.setdefault("_scratch", {})["groups"] = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        inner = self.__dict__.get("optimizer")
-        return inner.state if inner is not None else self.__dict__.setdefault("_scratch", {})["state"]
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        inner = self.__dict__.get("optimizer")
-        if inner is not None:
-            inner.state = value
-        else:
-            self.__dict__.setdefault("_scratch", {})["state"] = value
 
     def synchronize(self) -> None:
         """Make sure every gradient is reduced (reduce now those accumulated without a reduction)."""

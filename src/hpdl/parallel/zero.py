@@ -29,6 +29,7 @@ from torch import nn
 
 from hpdl.comm.base import Communicator
 from hpdl.parallel.buckets import GradientReducer
+from hpdl.parallel.optimizer_proxy import InnerOptimizerState
 from hpdl.parallel.zero_partition import Unit, plan_units
 from hpdl.parallel.zero_reduce import ShardReducer
 from hpdl.parallel.zero_stage3 import ParamScheduler, WrapPolicy, units_by_policy
@@ -322,7 +323,7 @@ class ZeroModel(nn.Module):
         )
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(InnerOptimizerState, torch.optim.Optimizer):
     """Steps this rank's shard of the parameters with any `torch.optim` optimizer (build it with `zero(...)`).
 
     It shares `param_groups` (LR schedulers work) and `state` with the inner
@@ -355,33 +356,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": [nn.Parameter(torch.empty(0))]}], dict(inner.defaults))
         self.__dict__.pop("_scratch", None)
         self.optimizer = inner
-
-    # Shared with the inner optimizer (its load_state_dict replaces these objects: never keep copies).
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        inner = self.__dict__.get("optimizer")
-        return inner.param_groups if inner is not None else self.__dict__.setdefault("_scratch", {})["groups"]
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        inner = self.__dict__.get("optimizer")
-        if inner is not None:
-            inner.param_groups = value
-        else:
-            self.__dict__.setdefault("_scratch", {})["groups"] = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        inner = self.__dict__.get("optimizer")
-        return inner.state if inner is not None else self.__dict__.setdefault("_scratch", {})["state"]
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        inner = self.__dict__.get("optimizer")
-        if inner is not None:
-            inner.state = value
-        else:
-            self.__dict__.setdefault("_scratch", {})["state"] = value
 
     # ------------------------------------------------------------------ gradients of this rank's pieces
     def _sync(self) -> None:
