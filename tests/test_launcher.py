@@ -82,3 +82,61 @@ def test_info_reports_versions_backends_and_launcher():
     assert "GPU" in info["cuda"]["mpi backend GPU path"]
     text = subprocess.run(HPDL + ["info"], capture_output=True, text=True, timeout=60).stdout
     assert "mpi library:" in text and "launcher:" in text
+
+
+def test_launch_lines_people_type_for_mpirun_horovodrun_and_torchrun():
+    """Pure parsing: the forms of `hpdl launch --help`, the script's own arguments untouched."""
+    from hpdl.cli.launch import parse
+
+    cases = {
+        ("-n", "2", "train.py", "--lr", "0.1"): (2, ["train.py", "--lr", "0.1"], []),
+        ("-n", "2", "python", "train.py", "-n", "5"): (2, ["train.py", "-n", "5"], []),
+        ("-np", "3", "python3", "-u", "train.py", "--help"): (3, ["train.py", "--help"], []),
+        ("--nproc-per-node", "2", "python", "-O", "-X", "dev", "train.py"): (2, ["train.py"], ["-O", "-X", "dev"]),
+        ("--nproc_per_node=4", "--backend", "torch", "train.py"): (4, ["train.py"], []),
+        ("-n", "2", "-m", "pkg.mod", "--flag", "-m", "x"): (2, ["-m", "pkg.mod", "--flag", "-m", "x"], []),
+        ("-n", "2", "python", "-m", "pkg.mod", "-n", "1"): (2, ["-m", "pkg.mod", "-n", "1"], []),
+        ("--tag-output", "-n", "1", "--timeout", "9", sys.executable, "train.py"): (1, ["train.py"], []),
+    }
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(JOB))  # a script must exist: job.py stands in for train.py
+    try:
+        for argv, (nprocs, target, python_options) in cases.items():
+            argv = tuple("job.py" if a == "train.py" else a for a in argv)
+            target = ["job.py" if a == "train.py" else a for a in target]
+            command = parse(list(argv))
+            assert (command.options.nprocs, command.target, command.python_options) == (nprocs, target, python_options)
+    finally:
+        os.chdir(cwd)
+    for bad, message in (
+        (["job.py"], "say how many ranks"),
+        (["-n", "2"], "name a script"),
+        (["-n", "2", "python", "-c", "print(1)"], "not supported"),
+        (["-n", "2", "python", "-m"], "name the module"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse(bad)
+
+
+def test_launch_forms_run_with_the_scripts_arguments_untouched():
+    code, output, _ = launch("-n", "2", "python", JOB, "argv", "--lr", "0.1", "--help", "-n", "7")
+    assert code == 0 and "argv ['--lr', '0.1', '--help', '-n', '7']" in output, output
+    env = {"PYTHONPATH": os.path.dirname(JOB)}  # job.py as the module `job`
+    code, output, _ = launch("-np", "1", "-m", "job", "argv", "-m", "x", env=env)
+    assert code == 0 and "argv ['-m', 'x']" in output, output
+    code, output, _ = launch("--help")
+    assert code == 0 and "hpdl launch -np 2 python train.py" in output and "-m package.module" in output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the sockets from /proc")
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_local_job_listens_on_loopback_only(backend):
+    """Every listener of a local job (launcher, MPI or gloo transport, rendezvous store) binds 127.0.0.1."""
+    code, output, _ = launch("-n", "2", "--backend", backend, JOB, "listeners")
+    assert code == 0, output
+    lines = [line for line in output.splitlines() if " listens on " in line]
+    assert len(lines) == 2, output
+    seen = {address for line in lines for address in eval(line.split(" listens on ", 1)[1])}
+    if backend == "torch":
+        assert seen, output  # the rendezvous store (rank 0) and gloo's pairs do listen: where is the question
+    assert all(address.startswith("127.") or address == "::1" for address in seen), output

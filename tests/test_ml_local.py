@@ -23,28 +23,25 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors, Ridge
+from tie_free import ROUNDING_MARGIN, assignment_margin, jittered
 
 
 def _datasets():
+    """Tie-free copies of the bundled data (tie_free.py): parity with scikit-learn must not hinge on rounding."""
     blobs = make_blobs(3000, 6, centers=5, cluster_std=2.5, random_state=0)[0].astype(np.float32)
-    return {"iris": load_iris().data, "digits": load_digits().data, "blobs32": blobs}
+    return {"iris": jittered(load_iris().data), "digits": jittered(load_digits().data), "blobs32": blobs}
 
 
 CASES = [(n, i) for n in ("iris", "digits", "blobs32") for i in ("k-means++", "random", "array")]
-TIED = ("digits", "random")
-"""In one of this case's 10 runs a point (integer pixels) lies exactly as far from two centres; the libraries round
-||c||^2 - 2 x.c differently, break the tie differently, and that run's Lloyd path then departs. Asserted there
-instead (test_kmeans_with_an_exact_tie): run by run, every other run agrees to 1e-9; the tied one ends within
-TIED_RTOL in inertia; each library keeps its own best run."""
-TIED_RTOL = 1e-5  # measured: 1.1e-6 (the tied run ends in a neighbouring local minimum)
 
 
-@pytest.mark.parametrize("name, init", [c for c in CASES if c != TIED])
+@pytest.mark.parametrize("name, init", CASES)
 def test_kmeans_matches_sklearn(name, init):
     X = _datasets()[name]
     start = X[:: len(X) // 5][:5].copy() if init == "array" else init
     kwargs = dict(n_clusters=5, init=start, random_state=7, n_init=1 if init == "array" else "auto")
     ours, theirs = KMeans(**kwargs).fit(X), sklearn.cluster.KMeans(**kwargs).fit(X)
+    assert assignment_margin(X, theirs.cluster_centers_) > ROUNDING_MARGIN  # the labels below cannot flip
     rtol = 1e-9 if X.dtype == np.float64 else 1e-5
     np.testing.assert_allclose(ours.cluster_centers_, theirs.cluster_centers_, rtol=rtol, atol=rtol)
     assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=rtol)
@@ -55,33 +52,50 @@ def test_kmeans_matches_sklearn(name, init):
     assert ours.score(X) == pytest.approx(theirs.score(X), rel=rtol)
 
 
-def test_kmeans_with_an_exact_tie():
-    X = _datasets()[TIED[0]]
+def _assert_lloyd_fixed_point(X: np.ndarray, model) -> None:
+    """What every correct Lloyd run ends in, on any CPU: centres are their points' means, points their centres'."""
+    labels, centres = model.labels_, model.cluster_centers_
+    for j in range(len(centres)):
+        np.testing.assert_allclose(centres[j], X[labels == j].mean(axis=0), rtol=1e-9, atol=1e-9)
+    d = ((X[:, None, :] - centres[None]) ** 2).sum(axis=2)
+    nearest = d.min(axis=1)
+    assert np.all(d[np.arange(len(X)), labels] <= nearest * (1 + 1e-9) + 1e-9)  # a tie may go either way
+    assert model.inertia_ == pytest.approx(nearest.sum(), rel=1e-9)
+
+
+def test_kmeans_on_tied_data_reaches_a_lloyd_fixed_point():
+    """Raw digits (integer pixels) has exact ties, and rounding decides them: assert what must hold regardless.
+
+    Each of 10 random starts, run to strict convergence (tol=0), ends at a Lloyd fixed point in both libraries;
+    where no tie was met on the way the two runs are the same run (labels equal, centres to 1e-9); runs that
+    met a tie end in a neighbouring local minimum (inertia within 2%: measured 1e-6 on AVX-512); n_init keeps the
+    best of its own runs. How many runs meet a tie depends on the CPU (1 of 10 on AVX-512, 3 on AVX2).
+    """
+    X = load_digits().data
     rng = np.random.RandomState(7)  # the 10 random initialisations both libraries draw, in order
     uniform = np.ones(len(X)) / np.ones(len(X)).sum()
     starts = [X[rng.choice(len(X), size=5, replace=False, p=uniform)] for _ in range(10)]
-    runs = []
+    ours_runs, agreeing = [], 0
     for start in starts:
-        ours = KMeans(5, init=start, n_init=1).fit(X)
-        theirs = sklearn.cluster.KMeans(5, init=start, n_init=1).fit(X)
-        same = bool(np.array_equal(ours.labels_, theirs.labels_))
-        if same:
+        ours = KMeans(5, init=start, n_init=1, tol=0.0).fit(X)
+        theirs = sklearn.cluster.KMeans(5, init=start, n_init=1, tol=0.0).fit(X)
+        _assert_lloyd_fixed_point(X, ours)
+        if np.array_equal(ours.labels_, theirs.labels_):
+            agreeing += 1
             np.testing.assert_allclose(ours.cluster_centers_, theirs.cluster_centers_, rtol=1e-9, atol=1e-9)
             assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=1e-9) and ours.n_iter_ == theirs.n_iter_
-        runs.append((same, ours.inertia_, theirs.inertia_))
-    tied = [r for r in runs if not r[0]]
-    assert len(tied) == 1  # the tie, and nothing else, separates the libraries
-    assert tied[0][1] == pytest.approx(tied[0][2], rel=TIED_RTOL)
-    ours = KMeans(5, init="random", n_init=10, random_state=7).fit(X)
-    theirs = sklearn.cluster.KMeans(5, init="random", n_init=10, random_state=7).fit(X)
-    assert ours.cluster_centers_.shape == theirs.cluster_centers_.shape and len(np.unique(ours.labels_)) == 5
-    assert ours.inertia_ == pytest.approx(min(r[1] for r in runs), rel=1e-12)  # the best of its own runs
-    assert theirs.inertia_ == pytest.approx(min(r[2] for r in runs), rel=1e-12)
-    assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=TIED_RTOL)
+        else:
+            assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=2e-2)
+        ours_runs.append(ours.inertia_)
+    assert agreeing >= 5  # ties are the exception: most runs never meet one
+    best = KMeans(5, init="random", n_init=10, random_state=7, tol=0.0).fit(X)
+    assert best.inertia_ == pytest.approx(min(ours_runs), rel=1e-12)  # the best of its own runs
+    theirs = sklearn.cluster.KMeans(5, init="random", n_init=10, random_state=7, tol=0.0).fit(X)
+    assert best.inertia_ == pytest.approx(theirs.inertia_, rel=2e-2)
 
 
 def test_kmeans_weights_empty_clusters_and_tol():
-    X = load_iris().data
+    X = jittered(load_iris().data)
     w = np.random.default_rng(0).uniform(0.5, 2.0, len(X))
     for kwargs in ({"tol": 0.0}, {"tol": 1e-2}, {"max_iter": 2}):
         a = KMeans(3, init=X[[0, 1, 2]], n_init=1, **kwargs).fit(X, sample_weight=w)

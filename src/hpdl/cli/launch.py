@@ -1,9 +1,11 @@
-"""`hpdl launch -n N [--backend mpi|torch] script.py [args]`: start N local ranks and end them as one job.
+"""`hpdl launch -n N [options] [python [python-options]] script.py [args]`: N local ranks, ended as one job.
 
-The work is done by `hpdl.runtime.spawn`: MPI jobs go through the `mpiexec`
-beside this Python (the `mpich` wheel) or the one on PATH, torch jobs get
-torchrun-style variables; if any rank fails the others are stopped and its
-exit code is returned; Ctrl-C is forwarded to every rank. On clusters keep
+The command line takes what people already type for `mpirun`, `horovodrun`
+and `torchrun`: `-n`/`-np`/`--nproc-per-node`, an optional `python` before
+the script, `-m module`. Everything after the script (or module) belongs to
+it and passes through untouched, `--help` included. The work is done by
+`hpdl.runtime.spawn`: if any rank fails the others are stopped and its exit
+code is returned; Ctrl-C reaches every rank. On clusters keep
 `mpirun`/`srun`: `hpdl.init()` detects them.
 """
 
@@ -11,51 +13,141 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from dataclasses import dataclass, field
+from typing import Optional
 
 from hpdl.runtime import spawn
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "parse", "run_argv"]
+
+FORMS = """\
+forms (everything after the script or module is the script's own):
+  hpdl launch -n 2 train.py --lr 0.1
+  hpdl launch -n 2 python train.py --lr 0.1        as with mpirun -np 2 python train.py
+  hpdl launch -np 2 python train.py                 as with horovodrun -np 2 python train.py
+  hpdl launch --nproc-per-node 2 train.py           as with torchrun --nproc-per-node 2 train.py
+  hpdl launch -n 2 -m package.module --flag         or: hpdl launch -n 2 python -m package.module
+  hpdl launch -n 2 --backend torch train.py         ranks over torch.distributed (gloo) instead of MPI
+"""
+
+RANK_OPTIONS = ("-n", "-np", "--np", "--nprocs", "--nproc-per-node", "--nproc_per_node")
+VALUE_OPTIONS = (*RANK_OPTIONS, "--backend", "--timeout", "-m")
+PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
+# Interpreter options that may stand between `python` and the script; those with a value take the next word.
+PYTHON_FLAGS = {"-u", "-O", "-OO", "-B", "-E", "-s", "-S", "-I", "-b", "-bb", "-q", "-v"}
+PYTHON_VALUE_FLAGS = {"-W", "-X"}
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "launch",
-        help="start N local ranks of a Python script",
-        description="Start N local ranks of a script; stop them all if one fails.",
+@dataclass
+class Command:
+    """A parsed `hpdl launch` line: the launcher's options and what each rank runs."""
+
+    options: argparse.Namespace
+    target: list[str]
+    """What follows `python -m hpdl.runtime.run_rank`: a script and its arguments, or `-m module ...`."""
+    python_options: list[str] = field(default_factory=list)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpdl launch",
+        description="Start N local ranks of a Python script or module; stop them all if one fails.",
+        epilog=FORMS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    parser.add_argument(*RANK_OPTIONS, dest="nprocs", type=int, metavar="N", help="number of ranks")
     parser.add_argument("--backend", choices=("mpi", "torch"), default="mpi", help="communication backend (mpi)")
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
     parser.add_argument("--timeout", type=float, help="seconds any collective may wait (HPDL_TIMEOUT)")
     parser.add_argument("--debug", action="store_true", help="compare collective fingerprints (HPDL_DEBUG=1)")
-    parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
-    parser.add_argument("script", nargs="?", help="the script to run")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    parser.set_defaults(handler=run)
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module (like python -m) instead of a script")
+    parser.add_argument("program", nargs="*", metavar="[python] script.py [args]", help="what every rank runs")
+    return parser
 
 
-def run(options: argparse.Namespace) -> int:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    subparsers.add_parser("launch", help="start N local ranks of a Python script", add_help=False)
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The launcher's own words, and the program's (from the first word that is not a launcher option on)."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if not word.startswith("-") or word == "-":
+            break
+        name, joined = word.split("=", 1)[0], "=" in word
+        step = 1 if joined or name not in VALUE_OPTIONS else 2
+        if name == "-m":  # the module ends the launcher's words, as in python -m
+            return argv[: i + step], argv[i + step :]
+        i += step
+    return argv[:i], argv[i:]
+
+
+def _strip_python(program: list[str]) -> tuple[list[str], list[str], Optional[str]]:
+    """`python [options] script ...` -> (interpreter options, `script ...`, the python named), as mpirun runs it."""
+    if not program or not PYTHON.match(os.path.basename(program[0])):
+        return [], program, None
+    named, rest, options = program[0], program[1:], []
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        flag = rest.pop(0)
+        if flag in PYTHON_VALUE_FLAGS and rest:
+            options += [flag, rest.pop(0)]
+        elif flag in PYTHON_FLAGS or flag[:2] in PYTHON_VALUE_FLAGS:
+            options.append(flag)
+        else:
+            raise ValueError(f"python option {flag!r} is not supported by hpdl launch; put the script first")
+    return [o for o in options if o != "-u"], rest, named  # ranks always run unbuffered
+
+
+def parse(argv: list[str]) -> Command:
+    """Parse a launch line; ValueError with the fix for a line that cannot run."""
+    own, program = _split(argv)
+    parser = _parser()
+    options = parser.parse_args(own)
+    if options.nprocs is None:
+        raise ValueError("say how many ranks: -n N (or -np N, --nproc-per-node N)")
     if options.nprocs < 1:
-        print(f"hpdl launch: -n {options.nprocs}: need at least one rank", file=sys.stderr)
-        return 2
+        raise ValueError(f"-n {options.nprocs}: need at least one rank")
+    python_options, program, named = _strip_python(program)
+    if options.module is None and program[:1] == ["-m"]:
+        if len(program) < 2:
+            raise ValueError("python -m: name the module to run")
+        options.module, program = program[1], program[2:]
+    if named is not None and os.path.sep in named and os.path.realpath(named) != os.path.realpath(sys.executable):
+        print(f"hpdl launch: ranks run {sys.executable} (where hpdl is installed), not {named}", file=sys.stderr)
     if options.module:
-        target = ["-m", options.module] + ([options.script] if options.script else []) + options.args
-    elif options.script:
-        if not os.path.exists(options.script):
-            print(f"hpdl launch: script {options.script!r} not found", file=sys.stderr)
-            return 2
-        target = [options.script] + options.args
-    else:
-        print("hpdl launch: name a script (or -m module) to run", file=sys.stderr)
+        return Command(options, ["-m", options.module, *program], python_options)
+    if not program:
+        raise ValueError("name a script (or -m module) to run; see hpdl launch --help")
+    if not os.path.exists(program[0]):
+        raise FileNotFoundError(f"script {program[0]!r} not found")
+    return Command(options, program, python_options)
+
+
+def run_argv(argv: list[str]) -> int:
+    try:
+        command = parse(argv)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"hpdl launch: {error}", file=sys.stderr)
         return 2
+    options = command.options
     env = spawn.job_environment(options.backend, options.nprocs)
     if options.timeout is not None:
         env["HPDL_TIMEOUT"] = str(options.timeout)
     if options.debug:
         env["HPDL_DEBUG"] = "1"
     try:
-        return spawn.run(options.nprocs, target, backend=options.backend, env=env, tag_output=options.tag_output)
+        return spawn.run(
+            options.nprocs,
+            command.target,
+            backend=options.backend,
+            env=env,
+            tag_output=options.tag_output,
+            python_options=command.python_options,
+        )
     except FileNotFoundError as missing:
         print(f"hpdl launch: {missing}", file=sys.stderr)
         return 127

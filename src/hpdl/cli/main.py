@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = sys.argv[1:] if argv is None else argv
-    # `demo` and `bench KIND` parse their own options (and print their own --help).
+    # `launch`, `demo` and `bench KIND` parse their own options (and print their own --help).
+    if args[:1] == ["launch"]:
+        return launch.run_argv(args[1:])
     if args[:1] == ["demo"]:
         return demo.run_argv(args[1:])
     if args[:1] and args[0] in RAW_COMMANDS:

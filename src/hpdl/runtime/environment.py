@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["Launch", "detect", "free_port"]
+__all__ = ["Launch", "detect", "free_port", "is_loopback", "loopback_interface"]
 
 BACKENDS = ("mpi", "torch", "self")
 
@@ -125,3 +125,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         return int(probe.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback, where only local ranks can connect."""
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+def loopback_interface() -> str:
+    """The name of the loopback interface ('lo' on Linux, 'lo0' on macOS and BSD), for GLOO_SOCKET_IFNAME."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), "lo")

@@ -7,27 +7,46 @@ rendezvous address. Every rank runs under `hpdl.runtime.run_rank`, so that a
 non-zero exit ends the job like an exception does. If any rank fails, the
 others are stopped and its exit code is returned; a job past its timeout is
 stopped and returns 124; Ctrl-C stops every rank and returns 130.
+
+A local job listens on loopback only: MPI jobs of the `mpich` wheel start
+under its forking process manager (`mpiexec.gforker`: no control port,
+where Hydra's listens on every interface), the MPI and gloo transports are
+told to use the loopback interface, and the torch rendezvous store binds
+127.0.0.1 (`hpdl.runtime.world.rendezvous_store`). A setting the caller
+made (UCX_NET_DEVICES, GLOO_SOCKET_IFNAME, ...) wins.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Optional, Sequence
+from typing import IO, Any, Optional, Sequence
 
-from hpdl.runtime.environment import free_port
+from hpdl.runtime.environment import free_port, loopback_interface
 
-__all__ = ["find_mpiexec", "job_environment", "rank_environment", "run"]
+__all__ = ["LOOPBACK_SETTINGS", "find_mpiexec", "job_environment", "local_mpiexec", "rank_environment", "run"]
 
 GRACE_SECONDS = 5.0
 TIMED_OUT = 124
 INTERRUPTED = 130
 _OUTER_LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LOOPBACK_SETTINGS = (
+    "UCX_NET_DEVICES",  # MPICH over UCX (the mpich wheel)
+    "FI_TCP_IFACE",  # MPICH over libfabric
+    "FI_SOCKETS_IFACE",
+    "OMPI_MCA_btl_tcp_if_include",  # Open MPI
+    "OMPI_MCA_oob_tcp_if_include",
+    "PRTE_MCA_oob_tcp_if_include",
+    "GLOO_SOCKET_IFNAME",  # torch.distributed's gloo
+)
+"""Each names the interface its transport may listen on; a local job sets them all to loopback."""
+_RANK_LABEL = re.compile(r"^(\d+)>")
 
 
 def find_mpiexec() -> str:
@@ -53,6 +72,9 @@ def job_environment(backend: str, nprocs: int, base: Optional[dict[str, str]] = 
     }
     env["HPDL_BACKEND"] = backend
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    loopback = loopback_interface()
+    for name in LOOPBACK_SETTINGS:
+        env.setdefault(name, loopback)
     import hpdl
 
     source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
@@ -82,20 +104,18 @@ def run(
     tag_output: bool = False,
     timeout: Optional[float] = None,
     name: str = "hpdl launch",
+    python_options: Sequence[str] = (),
 ) -> int:
     """Run `python -m hpdl.runtime.run_rank *target` on `nprocs` ranks and return the job's exit code.
 
     `target` is what follows `python` on a command line: a script and its
-    arguments, or `-m module ...`.
+    arguments, or `-m module ...`; `python_options` (`-O`, `-X dev`, ...) go to
+    every rank's interpreter.
     """
-    command = [sys.executable, "-u", "-m", "hpdl.runtime.run_rank", *target]
+    command = [sys.executable, *python_options, "-u", "-m", "hpdl.runtime.run_rank", *target]
     env = job_environment(backend, nprocs) if env is None else env
     if backend == "mpi":
-        argv = [find_mpiexec(), "-n", str(nprocs)]
-        if tag_output:
-            argv += {"hydra": ["-prepend-rank"], "openmpi": ["--tag-output"]}.get(_mpiexec_flavour(argv[0]), [])
-        children = [subprocess.Popen(argv + command, env=env)]
-        pumps: list[threading.Thread] = []
+        children, pumps = _spawn_mpi(nprocs, command, env, tag_output)
     else:
         children, pumps = _spawn_torch(nprocs, command, env, tag_output)
     try:
@@ -140,14 +160,69 @@ def stop(children: list[subprocess.Popen], first_signal: int) -> None:
     """Signal every process still running; kill those still there after the grace period."""
     for child in children:
         if child.poll() is None:
-            child.send_signal(first_signal)
+            _signal(child, first_signal)
     deadline = time.monotonic() + GRACE_SECONDS
     for child in children:
         try:
             child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            child.kill()
+            _signal(child, signal.SIGKILL)
             child.wait()
+        if getattr(child, "hpdl_group", False):
+            _signal(child, signal.SIGKILL)  # ranks the MPI launcher left behind when it went
+
+
+def _signal(child: subprocess.Popen, signum: int) -> None:
+    """Signal a child, or its whole process group where it leads one (an MPI launcher and its ranks)."""
+    try:
+        if getattr(child, "hpdl_group", False):
+            os.killpg(child.pid, signum)
+        else:
+            child.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def local_mpiexec() -> tuple[str, str]:
+    """The MPI launcher for ranks on this machine, and its flavour ('gforker', 'hydra', 'openmpi', ...).
+
+    Beside the `mpich` wheel's Hydra lies its forking process manager, which starts local ranks
+    without a control port on the network: it is preferred for local jobs.
+    """
+    mpiexec = find_mpiexec()
+    flavour = _mpiexec_flavour(mpiexec)
+    forker = os.path.join(os.path.dirname(mpiexec), "mpiexec.gforker")
+    if flavour == "hydra" and os.access(forker, os.X_OK):
+        return forker, "gforker"
+    return mpiexec, flavour
+
+
+def _process_group(leader: int) -> dict[str, Any]:
+    """Popen arguments that put the child in process group `leader` (0: a new group it leads)."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": leader}
+    return {"preexec_fn": lambda: os.setpgid(0, leader)}
+
+
+def _spawn_mpi(
+    nprocs: int, command: list[str], env: dict[str, str], tag_output: bool
+) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
+    mpiexec, flavour = local_mpiexec()
+    argv = [mpiexec, "-n", str(nprocs)]
+    if tag_output:
+        argv += {"gforker": ["-l"], "hydra": ["-prepend-rank"], "openmpi": ["--tag-output"]}.get(flavour, [])
+    pipe = subprocess.PIPE if tag_output and flavour == "gforker" else None
+    # Its own process group, so that stopping the job reaches every rank, not only the launcher.
+    child = subprocess.Popen(argv + command, env=env, stdout=pipe, stderr=pipe, **_process_group(0))
+    child.hpdl_group = True  # type: ignore[attr-defined]
+    pumps = []
+    if pipe is not None:
+        assert child.stdout is not None and child.stderr is not None
+        for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+            pump = threading.Thread(target=_relabel_lines, args=(source, sink), daemon=True)
+            pump.start()
+            pumps.append(pump)
+    return [child], pumps
 
 
 def _spawn_torch(
@@ -155,10 +230,12 @@ def _spawn_torch(
 ) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
     port = free_port()
     pipe = subprocess.PIPE if tag_output else None
-    children, pumps = [], []
+    children: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
     for rank in range(nprocs):
+        group = _process_group(children[0].pid if children else 0)  # one group for the job, as under MPI
         child = subprocess.Popen(
-            command, env=rank_environment(env, rank, nprocs, "127.0.0.1", port), stdout=pipe, stderr=pipe
+            command, env=rank_environment(env, rank, nprocs, "127.0.0.1", port), stdout=pipe, stderr=pipe, **group
         )
         children.append(child)
         if tag_output:
@@ -185,5 +262,13 @@ def _mpiexec_flavour(mpiexec: str) -> str:
 def _prefix_lines(source: IO[bytes], sink: IO[str], prefix: str) -> None:
     for raw in iter(source.readline, b""):
         sink.write(prefix + raw.decode(errors="replace"))
+        sink.flush()
+    source.close()
+
+
+def _relabel_lines(source: IO[bytes], sink: IO[str]) -> None:
+    """gforker labels lines `0>`; write them as `[0] ` like every other launcher here."""
+    for raw in iter(source.readline, b""):
+        sink.write(_RANK_LABEL.sub(r"[\1] ", raw.decode(errors="replace"), count=1))
         sink.flush()
     source.close()

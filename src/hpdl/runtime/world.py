@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from hpdl.comm.base import Communicator, default_debug, default_timeout
 from hpdl.errors import BackendUnavailableError, CommError, CommTimeoutError, NotInitializedError
-from hpdl.runtime.environment import BACKENDS, Launch, detect, free_port
+from hpdl.runtime.environment import BACKENDS, Launch, detect, free_port, is_loopback, loopback_interface
 
 __all__ = ["init", "finalize", "world", "is_initialized"]
 
@@ -126,11 +126,13 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     span = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized():
         engine = os.environ.get("HPDL_TORCH_ENGINE") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-        # torch owns the rendezvous store (and tears it down in destroy_process_group): a store
-        # server of our own, destroyed during interpreter shutdown, can abort the process at exit.
-        from_env = all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-        method = "env://" if from_env else f"tcp://{addr}:{port}"
-        dist.init_process_group(engine, init_method=method, rank=rank, world_size=size, timeout=span)
+        if is_loopback(addr):  # every rank is on this machine: gloo's own listeners on loopback too
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        # The process group is the store's only owner, and tears it down in destroy_process_group:
+        # a store server of ours, destroyed during interpreter shutdown, can abort the process at exit.
+        store = rendezvous_store(rank, size, addr, port, span)
+        dist.init_process_group(engine, store=store, rank=rank, world_size=size, timeout=span)
+        del store
     # A client of that store, for progress reports when a wait times out.
     store = dist.TCPStore(addr, port, size, is_master=False, timeout=span)
     comm = TorchCommunicator(None, store, local_rank=0, local_size=1, timeout=timeout, debug=debug)
@@ -150,9 +152,36 @@ def _torch_rendezvous(launch: Launch) -> tuple[int, int, str, int]:
     from hpdl.comm.mpi_backend import MPI
 
     mpi = MPI.COMM_WORLD
-    address = (socket.gethostname(), free_port()) if mpi.Get_rank() == 0 else None
+    hosts = mpi.allgather(socket.gethostname())
+    local = len(set(hosts)) == 1  # a job on one machine rendezvous on loopback
+    address = ("127.0.0.1" if local else hosts[0], free_port()) if mpi.Get_rank() == 0 else None
     host, port = mpi.bcast(address, root=0)
     return mpi.Get_rank(), mpi.Get_size(), host, port
+
+
+def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> Any:
+    """The torch rendezvous store; rank 0's server listens on one address, not on every interface.
+
+    That address is HPDL_BIND_ADDR when set, else the one `addr` (MASTER_ADDR) names: 127.0.0.1 for a
+    job on one machine, the interface the hosts share for a job across machines. torch's own
+    TCPStore server would listen on all interfaces.
+    """
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore(addr, port, size, is_master=False, timeout=span)
+    bind = os.environ.get("HPDL_BIND_ADDR") or socket.gethostbyname(addr)
+    try:
+        listener = socket.create_server((bind, port), family=socket.AF_INET, backlog=max(128, size))
+    except OSError as error:
+        raise BackendUnavailableError(
+            f"the torch rendezvous cannot listen on {bind}:{port} ({error}); set HPDL_BIND_ADDR to an address of "
+            "this machine that the other ranks reach, or MASTER_PORT to a free port"
+        ) from None
+    fd = listener.detach()  # the store's server owns the socket from here on
+    return dist.TCPStore(
+        addr, port, size, is_master=True, timeout=span, wait_for_workers=False, master_listen_fd=fd, use_libuv=True
+    )
 
 
 def _close_torch(comm: Communicator) -> None:

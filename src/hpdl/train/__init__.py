@@ -6,10 +6,10 @@
     trainer = hpdl.train.Trainer(model, optimizer, comm=comm, checkpoint="ckpt.pt")
     history = trainer.fit(loader, epochs=10, eval_loader=test_loader, resume="auto")
 
-See docs/train.md.
+See docs/train.md. `hpdl demo` lives in `hpdl.train.demo`, which this package does not import:
+its ranks run it with `python -m`, and runpy warns about a module its package imported first.
 """
 
-from hpdl.train import demo as demo  # `hpdl demo` (imports only the standard library until it runs)
 from hpdl.train.checkpoint import Checkpoint, CheckpointError, load, save
 from hpdl.train.optim import LAMB, LARS
 from hpdl.train.progress import Progress

@@ -141,11 +141,12 @@ def worker(options: argparse.Namespace) -> int:
     global_batch = options.batch_size * comm.size
     optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9, nesterov=True)
     steps = len(train_loader) * options.epochs
+    warmup = len(train_loader) if options.epochs > 1 else steps // 2  # one epoch, or half of the only one
     scheduler = WarmupSchedule.for_scaling(
         optimizer,
         global_batch=global_batch,
         reference_batch=32,
-        warmup_steps=len(train_loader),
+        warmup_steps=warmup,
         total_steps=steps,
         decay="cosine",
     )
@@ -157,7 +158,8 @@ def worker(options: argparse.Namespace) -> int:
             f"hpdl demo: digits, {len(train_set)} train / {len(test_set)} test images, CNN with "
             f"{sum(p.numel() for p in model.parameters()):,} parameters, {comm.size} ranks ({comm.backend}: "
             f"{comm.engine}), batch {options.batch_size}/rank = {global_batch} global, "
-            f"lr {scheduler.base_lrs[0]:.3g} (linear scaling, 1 epoch warm-up, cosine decay), {options.epochs} epochs",
+            f"lr {scheduler.base_lrs[0]:.3g} (linear scaling, {warmup} steps warm-up, cosine decay), "
+            f"{options.epochs} epochs",
             flush=True,
         )
     fit_start = time.perf_counter()
