@@ -27,7 +27,7 @@ typecheck: install
 	$(BIN)/mypy
 
 unit: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest
+	OMP_NUM_THREADS=1 $(BIN)/pytest --durations=15
 
 test: lint typecheck unit
 

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Callable, Optional
 
-from hpdl.runtime.environment import free_port
-from hpdl.runtime.spawn import find_mpiexec, rank_environment
+from hpdl.runtime.spawn import STORE_FD, find_mpiexec, rank_environment, store_listener
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS_DIR, "rank_worker.py")
@@ -65,13 +64,15 @@ class RankPool:
                 subprocess.Popen([find_mpiexec(), "-n", str(nprocs)] + command, env=child_env, stdout=log, stderr=log)
             ]
         else:
-            port_ = free_port()
-            self._procs = [
-                subprocess.Popen(
-                    command, env=rank_environment(child_env, r, nprocs, "127.0.0.1", port_), stdout=log, stderr=log
-                )
-                for r in range(nprocs)
-            ]
+            store, port_ = store_listener()  # rank 0's rendezvous store serves on it: no port race
+            self._procs = []
+            for r in range(nprocs):
+                env_r = rank_environment(child_env, r, nprocs, "127.0.0.1", port_)
+                fds = (store.fileno(),) if r == 0 else ()
+                if r == 0:
+                    env_r[STORE_FD] = str(store.fileno())
+                self._procs.append(subprocess.Popen(command, env=env_r, stdout=log, stderr=log, pass_fds=fds))
+            store.close()
         self._conns: list[Optional[Connection]] = [None] * nprocs
         self.alive = True
         # Listener.accept cannot time out: accept in a thread and bound the wait here.

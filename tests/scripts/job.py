@@ -38,7 +38,7 @@ def listening_addresses() -> set[str]:
 
 mode = sys.argv[1]
 comm = hpdl.init(timeout=float(os.environ.get("JOB_TIMEOUT", "60")))
-print(f"rank {comm.rank} of {comm.size} on {comm.backend}", flush=True)
+print(f"rank {comm.rank} of {comm.size} on {comm.backend} started at {time.time():.3f}", flush=True)
 x = torch.ones(4) * (comm.rank + 1)
 comm.allreduce(x)
 if mode == "ok":

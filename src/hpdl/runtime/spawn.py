@@ -22,15 +22,25 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import IO, Any, Optional, Sequence
 
-from hpdl.runtime.environment import free_port, loopback_interface
+from hpdl.runtime.environment import loopback_interface
 
-__all__ = ["LOOPBACK_SETTINGS", "find_mpiexec", "job_environment", "local_mpiexec", "rank_environment", "run"]
+__all__ = [
+    "LOOPBACK_SETTINGS",
+    "STORE_FD",
+    "find_mpiexec",
+    "job_environment",
+    "local_mpiexec",
+    "rank_environment",
+    "run",
+    "store_listener",
+]
 
 GRACE_SECONDS = 5.0
 TIMED_OUT = 124
@@ -46,6 +56,8 @@ LOOPBACK_SETTINGS = (
     "GLOO_SOCKET_IFNAME",  # torch.distributed's gloo
 )
 """Each names the interface its transport may listen on; a local job sets them all to loopback."""
+STORE_FD = "HPDL_STORE_FD"
+"""Set for rank 0 of a local torch job: the socket its rendezvous store serves on (bound by the launcher)."""
 _RANK_LABEL = re.compile(r"^(\d+)>")
 
 
@@ -228,15 +240,18 @@ def _spawn_mpi(
 def _spawn_torch(
     nprocs: int, command: list[str], env: dict[str, str], tag_output: bool
 ) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
-    port = free_port()
+    store, port = store_listener()
     pipe = subprocess.PIPE if tag_output else None
     children: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for rank in range(nprocs):
         group = _process_group(children[0].pid if children else 0)  # one group for the job, as under MPI
-        child = subprocess.Popen(
-            command, env=rank_environment(env, rank, nprocs, "127.0.0.1", port), stdout=pipe, stderr=pipe, **group
-        )
+        rank_env = rank_environment(env, rank, nprocs, "127.0.0.1", port)
+        fds: tuple[int, ...] = ()
+        if rank == 0:
+            rank_env[STORE_FD] = str(store.fileno())
+            fds = (store.fileno(),)
+        child = subprocess.Popen(command, env=rank_env, stdout=pipe, stderr=pipe, pass_fds=fds, **group)
         children.append(child)
         if tag_output:
             assert child.stdout is not None and child.stderr is not None
@@ -244,7 +259,18 @@ def _spawn_torch(
                 pump = threading.Thread(target=_prefix_lines, args=(source, sink, f"[{rank}] "), daemon=True)
                 pump.start()
                 pumps.append(pump)
+    store.close()  # rank 0 holds it now
     return children, pumps
+
+
+def store_listener() -> tuple[socket.socket, int]:
+    """A socket listening on 127.0.0.1 for rank 0's rendezvous store, and its port.
+
+    The launcher binds it and hands it to rank 0 (STORE_FD), so no other process can take the
+    port between choosing it and listening on it, as it could with a port that was only probed.
+    """
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+    return listener, int(listener.getsockname()[1])
 
 
 def _mpiexec_flavour(mpiexec: str) -> str:
