@@ -405,11 +405,11 @@ class CostModel:
         self, c: Candidate, s: _Stage, p: int, b: float, recomputes: bool, bucket: float
     ) -> tuple[dict[str, float], float, float]:
         """Model states and buffers, and activations as (bytes per alive micro-batch, fixed bytes)."""
-        from hpdl.parallel.zero import memory_formula
+        from hpdl.parallel.zero_redundancy import memory_formula
 
         wl, cl = self.workload, self.cluster
-        # M1: model states as hpdl's ZeRO keeps them (hpdl.parallel.zero.memory_formula): in mixed precision the
-        # gradient shards of stages 2 and 3 are fp32, and at stage 3 the fp32 master shard is the parameter (the
+        # M1: model states as hpdl's ZeRO keeps them (hpdl.parallel.zero_redundancy.memory_formula): in mixed
+        # precision the gradient shards of stages 2 and 3 are fp32, and at stage 3 the fp32 master shard is the parameter (the
         # paper's 16 Psi / N total at stage 3 is unchanged).
         mixed = wl.precision == "mixed"
         states = memory_formula(

@@ -17,7 +17,7 @@ For Psi = 7.5e9, N = 64 these are 120, 31.4, 16.6 and 1.875 GB (the paper's
 Figure 1).
 
 The formulas themselves live beside the implementations, once:
-`hpdl.parallel.zero.memory_formula` (here with K folded into the optimizer
+`hpdl.parallel.zero_redundancy.memory_formula` (here with K folded into the optimizer
 state and 16-bit gradient shards, the paper's accounting; the cost model
 calls it with hpdl's own mixed precision) and
 `hpdl.parallel.pipe.schedule.bubble_fraction`. They are imported on first
@@ -109,7 +109,7 @@ def model_states(params: float, dp: int, stage: int, optimizer: str = "adam", pr
         raise ValueError(f"ZeRO stage {stage!r}: use 0 (plain data parallel), 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp = {dp!r}: the data-parallel degree is at least 1")
-    from hpdl.parallel.zero import memory_formula
+    from hpdl.parallel.zero_redundancy import memory_formula
 
     b = state_bytes(optimizer, precision)
     # the paper's accounting: K (master copy included) as optimizer state, gradient shards as wide as the gradients
