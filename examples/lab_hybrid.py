@@ -25,8 +25,8 @@ import torch
 import hpdl
 from hpdl.models.gpt import GPT, CharCodec, GPTConfig, stdlib_text
 from hpdl.parallel import Mesh, Plan, build
-from hpdl.parallel.mesh_state import load, save
-from hpdl.parallel.plan_config import PlanError
+from hpdl.parallel.mesh.plan_config import PlanError
+from hpdl.parallel.mesh.state import load, save
 from hpdl.parallel.tensor import vocab_parallel_cross_entropy
 
 HERE = os.path.dirname(os.path.abspath(__file__))

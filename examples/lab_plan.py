@@ -25,7 +25,7 @@ import torch
 import hpdl
 from hpdl.models.gpt import GPT, GPTConfig, lm_loss
 from hpdl.parallel.mesh import Mesh, build
-from hpdl.parallel.plan_config import Plan
+from hpdl.parallel.mesh.plan_config import Plan
 from hpdl.plan import Cluster, Link, Workload, measure, parse_cluster, reference_profile, search
 from hpdl.plan.calibrate import fit_alpha_beta, measure_compute
 from hpdl.plan.report import describe, fmt_s, ranking_table, why
@@ -159,7 +159,7 @@ def main() -> None:
 
 
 def _fields(estimate, result):
-    from hpdl.plan.search import plan_fields
+    from hpdl.plan.ranking import plan_fields
 
     return plan_fields(estimate.candidate, result.workload, estimate.stage_layers)
 

@@ -27,7 +27,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import hpdl
-from hpdl.parallel.zero import memory_formula, zero
+from hpdl.parallel.zero_redundancy import memory_formula, zero
 
 
 def build() -> nn.Module:

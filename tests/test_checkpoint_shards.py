@@ -18,7 +18,7 @@ import hpdl
 from hpdl.checkpoint import CheckpointError, CorruptShardError, MissingShardError
 from hpdl.checkpoint.format import shard_name, write_metadata, write_shard
 from hpdl.parallel import DataParallel
-from hpdl.parallel.zero import zero
+from hpdl.parallel.zero_redundancy import zero
 
 DIN, HID, DOUT, GLOBAL = 5, 7, 3, 12
 LR = 0.02

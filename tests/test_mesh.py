@@ -18,9 +18,9 @@ import torch
 
 from hpdl.parallel import Mesh, Plan, build
 from hpdl.parallel.mesh import clip_grad_norm_
-from hpdl.parallel.mesh_state import full_state, load, save
+from hpdl.parallel.mesh.state import full_state, load, save
 from hpdl.parallel.tensor import parallelize, vocab_parallel_cross_entropy
-from hpdl.parallel.zero import zero
+from hpdl.parallel.zero_redundancy import zero
 from test_tensor_parallel import BATCH, LR, STEPS, TOL, assert_same_parameters, make_data, make_model, train_reference
 
 LAYOUTS = {

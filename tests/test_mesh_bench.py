@@ -12,7 +12,7 @@ import pytest
 from hpdl.bench.train_hybrid import AXES, TP_CONTENDERS, launch
 from hpdl.models.gpt import GPT, CharCodec, GPTConfig
 from hpdl.parallel import Plan
-from hpdl.parallel.plan_config import PlanError
+from hpdl.parallel.mesh.plan_config import PlanError
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 TINY = ["--steps", "20", "--layers", "2", "--embd", "32", "--block", "16", "--batch", "8", "--chars", "20000"]

@@ -17,8 +17,8 @@ from hpdl.plan.memory import bubble_fraction, in_flight, model_states
 from hpdl.plan.models import SHAPES, reference_profile, transformer_profile
 from hpdl.plan.presets import parse_cluster, preset_cluster
 from hpdl.plan.profile import Layer, ModelProfile, measure
+from hpdl.plan.ranking import candidates, search
 from hpdl.plan.report import fmt_gb, why
-from hpdl.plan.search import candidates, search
 
 
 def uniform(layers: int, flops: float = 1e9, params: int = 1000, act: float = 1e3, out: float = 100.0) -> ModelProfile:
@@ -219,7 +219,7 @@ def test_candidates_respect_what_hpdl_parallel_plan_accepts():
 
 
 def test_plan_file_round_trip_through_hpdl_parallel_plan(tmp_path):
-    from hpdl.parallel.plan_config import Plan
+    from hpdl.parallel.mesh.plan_config import Plan
 
     cluster = preset_cluster("a100-40", nodes=2, devices_per_node=8)
     result = search(reference_profile("gpt2-xl"), cluster, Workload(batch=64))
@@ -281,7 +281,7 @@ def test_links_fitted_from_hpdl_bench_comm_records(tmp_path):
 
 def test_search_memory_agrees_with_the_zero_implementation_formula():
     """The planner counts model states as hpdl.parallel.zero does (fp32 exactly the paper; mixed: fp32 shards)."""
-    from hpdl.parallel.zero import memory_formula
+    from hpdl.parallel.zero_redundancy import memory_formula
 
     params, dp = 4_000_000, 4
     profile = uniform(4, params=params // 4)

@@ -47,7 +47,7 @@ def test_memory_reproduces_the_zero_paper_in_text_and_json(capsys):
 
 
 def test_search_of_a_reference_model_on_an_inline_cluster_writes_a_plan_file(tmp_path, capsys):
-    from hpdl.parallel.plan_config import Plan
+    from hpdl.parallel.mesh.plan_config import Plan
 
     out = tmp_path / "plan.toml"
     cluster = "nodes=4,gpus_per_node=8,gpu=a100-40,intra=nvlink,inter=ib-200"

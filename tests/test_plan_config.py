@@ -9,7 +9,7 @@ from torch import nn
 
 from hpdl.models.gpt import GPT, GPTConfig
 from hpdl.parallel import Mesh, Plan, build
-from hpdl.parallel.plan_config import PlanError
+from hpdl.parallel.mesh.plan_config import PlanError
 
 
 def test_round_trip_through_toml_and_json(tmp_path):

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from hpdl.parallel import zero as zero_module
-from hpdl.parallel.zero import ZeroOptimizer, memory_formula, zero
-from hpdl.parallel.zero_partition import Slot, Unit
+from hpdl.parallel.zero_redundancy import ZeroOptimizer, memory_formula, zero
+from hpdl.parallel.zero_redundancy.partition import Slot, Unit
 
 DIN, HID, DOUT, B = 5, 7, 3, 3  # 5*7+7 = 42 and 7*3+3 = 24 elements: nothing divides by 4 evenly
 STEPS = 10

@@ -29,7 +29,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.runtime import spawn
 
 __all__ = ["launch", "main", "COLUMNS", "OPS", "SHM_OPS"]
 
@@ -152,16 +151,7 @@ def launch(argv: list[str]) -> int:
     return report.launch_benchmark("hpdl bench comm", "hpdl.bench.comm", parse, argv)
 
 
-def run_worker(name: str, module: str, ranks: int, forwarded: list[str], timeout: float) -> int:
-    """`python -m module *forwarded` on `ranks` MPI ranks, one thread each (shared by every benchmark)."""
-    env = spawn.job_environment("mpi", ranks)
-    env["OMP_NUM_THREADS"] = "1"
-    print(f"{name}: {ranks} ranks of python -m {module} {' '.join(forwarded)}", flush=True)
-    try:
-        return spawn.run(ranks, ["-m", module, *forwarded], env=env, timeout=timeout, name=name)
-    except FileNotFoundError as missing:
-        print(f"{name}: {missing}", file=sys.stderr)
-        return 127
+run_worker = report.run_worker  # it lives in report (below this module); the benchmarks still import it here
 
 
 # --------------------------------------------------------------------------- timing

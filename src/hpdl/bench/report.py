@@ -7,15 +7,15 @@ to keep when every benchmark starts and reports through the same few functions.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import socket
 import sys
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
+
+from hpdl.runtime import spawn
+from hpdl.runtime.machine import describe as environment
 
 __all__ = [
     "launch_parsed",
@@ -64,13 +64,24 @@ def launch_benchmark(
     The options need `forwarded()` (the worker's arguments), `timeout` and,
     unless `ranks` is given, `ranks`.
     """
-    from hpdl.bench.comm import run_worker  # here, not at the top: comm imports this module
 
     def start(options: Any) -> int:
         count = options.ranks if ranks is None else ranks
         return run_worker(name, module, count, options.forwarded(), options.timeout)
 
     return launch_parsed(parse, argv, start)
+
+
+def run_worker(name: str, module: str, ranks: int, forwarded: list[str], timeout: float) -> int:
+    """`python -m module *forwarded` on `ranks` MPI ranks, one thread each (shared by every benchmark)."""
+    env = spawn.job_environment("mpi", ranks)
+    env["OMP_NUM_THREADS"] = "1"
+    print(f"{name}: {ranks} ranks of python -m {module} {' '.join(forwarded)}", flush=True)
+    try:
+        return spawn.run(ranks, ["-m", module, *forwarded], env=env, timeout=timeout, name=name)
+    except FileNotFoundError as missing:
+        print(f"{name}: {missing}", file=sys.stderr)
+        return 127
 
 
 def run_main(
@@ -171,54 +182,6 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
     return str(value)
-
-
-def environment(**extra: Any) -> dict[str, Any]:
-    """Where and with what a measurement ran: enough to rerun it (rule 6 of BENCHMARKING.md)."""
-    import torch
-
-    env: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_version": torch.__version__,
-        "numpy_version": np.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    }
-    try:
-        import mpi4py
-        from mpi4py import MPI
-
-        text = MPI.Get_library_version().strip()
-        env["mpi_library_version"] = " ".join(text.splitlines()[0].split())
-        env["mpi_library_version_full"] = text
-        env["mpi_standard"] = "{}.{}".format(*MPI.Get_version())
-        env["mpi4py_version"] = mpi4py.__version__
-    except ImportError:
-        env["mpi_library_version"] = None
-    try:
-        from hpdl import __version__ as hpdl_version
-
-        env["hpdl_version"] = hpdl_version
-    except ImportError:  # pragma: no cover - the helpers also serve scripts outside the package
-        env["hpdl_version"] = None
-    env.update(extra)
-    return env
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def write_records(path: str, records: Sequence[Mapping[str, Any]], config: Mapping[str, Any]) -> None:

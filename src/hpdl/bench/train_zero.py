@@ -372,7 +372,7 @@ def measure_model(model_name: str, options: Options, mpi: Any, gloo: Any, plain_
 
 # --------------------------------------------------------------------------- report
 def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
-    from hpdl.parallel.zero import memory_formula
+    from hpdl.parallel.zero_redundancy import memory_formula
 
     rows, verdicts = [], []
     for model in dict.fromkeys(r["model"] for r in records):

@@ -8,14 +8,16 @@
 The format (`hpdl.checkpoint.format`) records, per logical tensor, its
 global shape and dtype and which part each chunk holds (a flat range or an
 N-d box), so other layouts (tensor and pipeline parallel) write and read it
-too (`ShardReader`). The single-file trainer checkpoint is
-`hpdl.train.checkpoint`.
+too (`ShardReader`). The format knows no strategy: a layout that splits
+parameters over ranks (ZeRO) implements `ShardedState` (and its optimizer
+`ShardedOptimizer`) and writes and reads its own chunks. The single-file
+trainer checkpoint is `hpdl.train.checkpoint`; both raise the errors of
+`hpdl.checkpoint.errors`.
 """
 
-from hpdl.checkpoint.format import CorruptShardError, MissingShardError
+from hpdl.checkpoint.errors import CheckpointError, CorruptShardError, MissingShardError
 from hpdl.checkpoint.reader import ShardReader, read_full_tensor
-from hpdl.checkpoint.sharded import ShardWriter, commit, export, load, new_writer, save
-from hpdl.train.checkpoint import CheckpointError
+from hpdl.checkpoint.sharded import ShardedOptimizer, ShardedState, ShardWriter, commit, export, load, new_writer, save
 
 consolidate = export
 """The same as `export`."""
@@ -33,4 +35,6 @@ __all__ = [
     "CheckpointError",
     "MissingShardError",
     "CorruptShardError",
+    "ShardedState",
+    "ShardedOptimizer",
 ]

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from hpdl.train.checkpoint import CheckpointError, _digest, _write_atomically
+from hpdl.checkpoint.errors import CheckpointError, CorruptShardError, MissingShardError
+from hpdl.checkpoint.files import content_digest, write_atomically
 
 __all__ = [
     "CheckpointError",
@@ -44,14 +45,6 @@ VERSION = 1
 METADATA = "metadata.pt"
 
 
-class MissingShardError(CheckpointError):
-    """A shard file that the metadata lists is not there; the message names it and the rank that wrote it."""
-
-
-class CorruptShardError(CheckpointError):
-    """A shard file's bytes do not match the digest recorded when it was written; the message names it."""
-
-
 def shard_name(rank: int, size: int, save_id: str) -> str:
     return f"shard-{rank:05d}-of-{size:05d}.{save_id}.pt"
 
@@ -68,14 +61,14 @@ def file_digest(path: str) -> str:
 def write_shard(folder: str, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Write one rank's chunks atomically; return its entry for the metadata (bytes and digest)."""
     path = os.path.join(folder, name)
-    _write_atomically(path, {"format": FORMAT + "-shard", "tensors": tensors})
+    write_atomically(path, {"format": FORMAT + "-shard", "tensors": tensors})
     return {"bytes": os.path.getsize(path), "blake2b": file_digest(path)}
 
 
 def write_metadata(folder: str, metadata: dict[str, Any]) -> None:
     payload = {"format": FORMAT, "version": VERSION, **metadata}
-    payload["digest"] = _digest(payload)
-    _write_atomically(os.path.join(folder, METADATA), payload)
+    payload["digest"] = content_digest(payload)
+    write_atomically(os.path.join(folder, METADATA), payload)
 
 
 def read_metadata(folder: str) -> dict[str, Any]:
@@ -97,6 +90,6 @@ def read_metadata(folder: str) -> dict[str, Any]:
     if payload.get("version") != VERSION:
         raise CheckpointError(f"{path} has format version {payload.get('version')}; this hpdl reads {VERSION}")
     digest = payload.pop("digest", None)
-    if digest != _digest(payload):
+    if digest != content_digest(payload):
         raise CheckpointError(f"{path} is corrupt: its contents do not match the digest written with them")
     return payload

@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hpdl.checkpoint.format import CorruptShardError, MissingShardError, file_digest, read_metadata
-from hpdl.train.checkpoint import CheckpointError
+from hpdl.checkpoint.errors import CheckpointError, CorruptShardError, MissingShardError
+from hpdl.checkpoint.format import file_digest, read_metadata
 
 __all__ = ["ShardReader", "read_full_tensor"]
 

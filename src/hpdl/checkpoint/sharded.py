@@ -1,9 +1,11 @@
 """`save` / `load` of sharded checkpoints for ZeRO, DataParallel and plain models, and a single-file `export`.
 
 `save` is collective over the model's communicator: each rank writes the
-chunks it holds (ZeRO: its pieces of every parameter and of the optimizer
-state; replicated models: rank 0 writes everything), then rank 0 writes the
-metadata (`hpdl.checkpoint.format`). `load` asks, for the layout it is given
+chunks it holds (a `ShardedState` such as ZeRO's model writes its pieces of
+every parameter, its `ShardedOptimizer` those of the optimizer state;
+replicated models: rank 0 writes everything), then rank 0 writes the
+metadata (`hpdl.checkpoint.format`). The format knows no strategy: a
+strategy that splits parameters implements the two protocols below. `load` asks, for the layout it is given
 now, for exactly the parts each rank needs (`ShardReader`), whatever layout
 and rank count wrote them: ZeRO stage 3 on 4 ranks loads into stage 1 on 2,
 into DataParallel, or into one plain process, with no conversion step.
@@ -15,29 +17,76 @@ import logging
 import math
 import os
 import secrets
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
-from hpdl.checkpoint.format import METADATA, shard_name, write_metadata, write_shard
+from hpdl.checkpoint.errors import CheckpointError
+from hpdl.checkpoint.files import unwrap, write_atomically
+from hpdl.checkpoint.format import METADATA, read_metadata, shard_name, write_metadata, write_shard
 from hpdl.checkpoint.reader import ShardReader
 from hpdl.comm.base import Communicator
-from hpdl.train.checkpoint import CheckpointError, _write_atomically, unwrap
 
-__all__ = ["save", "load", "export", "ShardWriter", "new_writer", "commit"]
+__all__ = ["save", "load", "export", "ShardWriter", "new_writer", "commit", "ShardedState", "ShardedOptimizer"]
 
 log = logging.getLogger(__name__)
 
 
-def _zero_parts(model: nn.Module, optimizer: Any) -> tuple[Any, Any]:
-    from hpdl.parallel.zero import ZeroModel, ZeroOptimizer
+@runtime_checkable
+class ShardedState(Protocol):
+    """A model whose parameters are split over ranks in flat ranges (ZeRO's `ZeroModel`): it writes and reads its
+    own chunks; everything else of `module` (buffers, frozen parameters) is replicated and saved by rank 0."""
 
-    zmodel = model if isinstance(model, ZeroModel) else None
-    zopt = optimizer if isinstance(optimizer, ZeroOptimizer) else None
-    if zopt is not None and zmodel is None:
-        raise TypeError("a ZeroOptimizer is saved and loaded with the ZeroModel that zero() returned with it")
-    return zmodel, zopt
+    @property
+    def module(self) -> nn.Module:
+        """The plain module (its state_dict names are the checkpoint's names)."""
+        ...
+
+    def shard_layout(self) -> dict[str, Any]:
+        """How the writer was laid out, for the metadata ({"strategy": ..., ...})."""
+        ...
+
+    def shard_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every parameter this layout splits (the others are replicated)."""
+        ...
+
+    def write_shards(self, writer: ShardWriter) -> None:
+        """Add this rank's chunks of the split parameters to `writer` (collective caller: every rank)."""
+        ...
+
+    def read_shards(self, reader: ShardReader) -> None:
+        """Load this rank's part of the split parameters, whatever layout wrote them."""
+        ...
+
+
+@runtime_checkable
+class ShardedOptimizer(Protocol):
+    """The optimizer of a `ShardedState` (ZeRO's `ZeroOptimizer`): it holds the state of this rank's pieces."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer (its class and param_groups are recorded)."""
+        ...
+
+    def write_shards(self, writer: ShardWriter) -> None:
+        """Add this rank's pieces of the optimizer state to `writer` (plain values into `writer.values`)."""
+        ...
+
+    def read_shards(self, reader: ShardReader, values: dict[str, Any]) -> None:
+        """Load this rank's pieces of the optimizer state; `values`: the saved plain values by logical name."""
+        ...
+
+
+def _sharded_parts(model: nn.Module, optimizer: Any) -> tuple[Optional[ShardedState], Optional[ShardedOptimizer]]:
+    state = model if isinstance(model, ShardedState) else None
+    opt = optimizer if isinstance(optimizer, ShardedOptimizer) else None
+    if opt is not None and state is None:
+        raise TypeError(
+            f"a {type(optimizer).__name__} is saved and loaded with the model it was built with "
+            "(for a ZeroOptimizer: the ZeroModel that zero() returned with it)"
+        )
+    return state, opt
 
 
 def _comm_of(model: nn.Module, comm: Optional[Communicator]) -> Optional[Communicator]:
@@ -170,10 +219,10 @@ def save(
     """
     comm = _comm_of(model, comm)
     writer = new_writer(path, comm)
-    zmodel, zopt = _zero_parts(model, optimizer)
+    zmodel, zopt = _sharded_parts(model, optimizer)
     if zmodel is not None:
-        _collect_zero(writer, zmodel, zopt)
-        layout: dict[str, Any] = {"strategy": "zero", "stage": zmodel.stage}
+        _collect_sharded(writer, zmodel, zopt)
+        layout: dict[str, Any] = zmodel.shard_layout()
     else:
         if writer.rank == 0:
             _collect_plain(writer, unwrap(model), optimizer)
@@ -186,38 +235,20 @@ def _listed_files(path: str) -> set[str]:
     if not os.path.exists(os.path.join(path, METADATA)):
         return set()
     try:
-        from hpdl.checkpoint.format import read_metadata
-
         return set(read_metadata(path)["files"])
     except CheckpointError:
         return set()
 
 
-def _collect_zero(writer: ShardWriter, zmodel: Any, zopt: Any) -> None:
-    values = writer.values
-    for buffers in zmodel.shards:
-        for piece in buffers.pieces:
-            slot = buffers.unit.slots[piece.index]
-            chunk = buffers.master[piece.shard_offset : piece.shard_offset + piece.numel]
-            writer.add(f"model/{piece.name}", slot.shape, buffers.master.dtype, chunk, flat=(piece.start, piece.stop))
+def _collect_sharded(writer: ShardWriter, zmodel: ShardedState, zopt: Optional[ShardedOptimizer]) -> None:
+    zmodel.write_shards(writer)
     if writer.rank == 0:  # replicated: buffers and frozen parameters
-        sharded = set(zmodel.master_dtypes)
+        sharded = set(zmodel.shard_shapes())
         for name, t in zmodel.module.state_dict().items():
             if name not in sharded:
                 writer.add(f"model/{name}", tuple(t.shape), t.dtype, t, kind="replicated")
-    if zopt is None:
-        return
-    shapes = {s.name: s.shape for b in zmodel.shards for s in b.unit.slots}
-    for name, start, stop, state in zopt.piece_states():
-        for key, value in state.items():
-            logical = f"optim/{name}/{key}"
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == stop - start and key != "step":
-                writer.add(logical, shapes[name], value.dtype, value, flat=(start, stop), kind="elementwise")
-            elif start == 0:  # one copy of per-parameter values: from the rank holding its first element
-                if isinstance(value, torch.Tensor):
-                    writer.add(logical, tuple(value.shape), value.dtype, value, kind="whole")
-                else:
-                    values[logical] = value
+    if zopt is not None:
+        zopt.write_shards(writer)
 
 
 def _collect_plain(writer: ShardWriter, module: nn.Module, optimizer: Any) -> None:
@@ -243,7 +274,7 @@ def _collect_plain(writer: ShardWriter, module: nn.Module, optimizer: Any) -> No
                     values[logical] = value
 
 
-def _optimizer_meta(optimizer: Any, zopt: Any) -> Optional[dict[str, Any]]:
+def _optimizer_meta(optimizer: Any, zopt: Optional[ShardedOptimizer]) -> Optional[dict[str, Any]]:
     if optimizer is None:
         return None
     inner = zopt.optimizer if zopt is not None else optimizer
@@ -269,13 +300,12 @@ def load(
     """
     reader = ShardReader(path)
     try:
-        zmodel, zopt = _zero_parts(model, optimizer)
+        zmodel, zopt = _sharded_parts(model, optimizer)
         module = zmodel.module if zmodel is not None else unwrap(model)
         _check_names(path, reader, module, zmodel, strict)
         if zmodel is not None:
-            zmodel.load_master(lambda name, a, b: reader.read_flat(f"model/{name}", a, b))
-            sharded = set(zmodel.master_dtypes)
-            _load_replicated(reader, module, skip=sharded)
+            zmodel.read_shards(reader)
+            _load_replicated(reader, module, skip=set(zmodel.shard_shapes()))
         else:
             _load_replicated(reader, module, skip=set())
         if optimizer is not None:
@@ -289,7 +319,7 @@ def load(
                     f"{type(inner).__name__}: build the same optimizer class, or load the model alone"
                 )
             if zopt is not None:
-                _load_zero_optimizer(reader, zopt, meta)
+                zopt.read_shards(reader, meta["values"])
             else:
                 _load_plain_optimizer(reader, module, optimizer, meta)
             if len(meta["param_groups"]) == len(inner.param_groups):
@@ -307,11 +337,13 @@ def load(
         reader.close()
 
 
-def _check_names(path: str, reader: ShardReader, module: nn.Module, zmodel: Any, strict: bool) -> None:
+def _check_names(
+    path: str, reader: ShardReader, module: nn.Module, zmodel: Optional[ShardedState], strict: bool
+) -> None:
     saved = {n[len("model/") :]: tuple(reader.info(n)["shape"]) for n in reader.names if n.startswith("model/")}
     current: dict[str, tuple[int, ...]] = {n: tuple(t.shape) for n, t in module.state_dict().items()}
-    if zmodel is not None:  # stage 3 views have no storage: take the shapes from the layout
-        current.update({s.name: tuple(s.shape) for b in zmodel.shards for s in b.unit.slots})
+    if zmodel is not None:  # split parameters may have no storage here (ZeRO-3 views): take the layout's shapes
+        current.update(zmodel.shard_shapes())
     problems = [
         f"{n} has shape {saved[n]} in the checkpoint but {shape} in the model"
         for n, shape in current.items()
@@ -331,27 +363,6 @@ def _load_replicated(reader: ShardReader, module: nn.Module, skip: set[str]) -> 
             if name in skip or f"model/{name}" not in reader.metadata["tensors"]:
                 continue
             t.copy_(reader.read_full(f"model/{name}").to(dtype=t.dtype).reshape(t.shape))
-
-
-def _load_zero_optimizer(reader: ShardReader, zopt: Any, meta: dict[str, Any]) -> None:
-    tensors = reader.metadata["tensors"]
-    for buffers in zopt.model.shards:
-        for piece, param in zip(buffers.pieces, buffers.piece_params):
-            prefix = f"optim/{piece.name}/"
-            state: dict[str, Any] = {}
-            for logical, entry in tensors.items():
-                if not logical.startswith(prefix):
-                    continue
-                key = logical[len(prefix) :]
-                if entry["kind"] == "elementwise":
-                    state[key] = reader.read_flat(logical, piece.start, piece.stop).to(param.device, param.dtype)
-                else:
-                    state[key] = reader.read_full(logical)
-            for logical, value in meta["values"].items():
-                if logical.startswith(prefix):
-                    state[logical[len(prefix) :]] = value
-            if state:
-                zopt.optimizer.state[param] = state
 
 
 def _load_plain_optimizer(reader: ShardReader, module: nn.Module, optimizer: Any, meta: dict[str, Any]) -> None:
@@ -390,5 +401,5 @@ def export(path: str, out: str, *, dtype: Optional[torch.dtype] = None) -> dict[
         reader.close()
     if not state:
         raise CheckpointError(f"sharded checkpoint {path} holds no model tensors")
-    _write_atomically(out, state)
+    write_atomically(out, state)
     return state

@@ -91,8 +91,8 @@ def load_profile(model: str, precision: str, seq: Optional[int] = None) -> Any:
 def _search(argv: list[str]) -> int:
     from hpdl.plan.cost import Workload
     from hpdl.plan.presets import parse_cluster
+    from hpdl.plan.ranking import search
     from hpdl.plan.report import header, ranking_table, why
-    from hpdl.plan.search import search
 
     ns = _search_parser().parse_args(argv)
     cluster = parse_cluster(ns.cluster)

@@ -12,16 +12,26 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Optional, Protocol
 
 import torch
 
+from hpdl.comm.work import Work
 from hpdl.errors import CollectiveMismatchError
 
-if TYPE_CHECKING:
-    from hpdl.comm.base import Communicator
-
 __all__: list[str] = []
+
+
+class _Engine(Protocol):
+    """What `verify` needs of a communicator (`hpdl.comm.base.Communicator` imports this module)."""
+
+    backend: str
+
+    @property
+    def size(self) -> int: ...
+
+    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work: ...
+
 
 _WIDTH = 512
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +77,7 @@ def call_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-def verify(comm: Communicator, mine: Fingerprint) -> None:
+def verify(comm: _Engine, mine: Fingerprint) -> None:
     """Allgather fingerprints (through the engine directly) and raise on any difference."""
     table = comm._allgather(mine.encode(), [_WIDTH] * comm.size, mine.seq).wait()
     prints = [Fingerprint.decode(table[i * _WIDTH : (i + 1) * _WIDTH]) for i in range(comm.size)]

@@ -12,12 +12,18 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Optional
-
-if TYPE_CHECKING:
-    from hpdl.comm.base import Communicator
+from typing import Any, Iterator, Optional, Protocol
 
 __all__ = ["Tracer"]
+
+
+class _Gathers(Protocol):
+    """What `Tracer.write` needs of a communicator (`hpdl.comm.base.Communicator` imports this module)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def allgather_object(self, obj: Any) -> list: ...
 
 
 class Tracer:
@@ -47,7 +53,7 @@ class Tracer:
         finally:
             self.complete(name, start, time.perf_counter(), category, **args)
 
-    def write(self, path: str, comm: Communicator) -> Optional[str]:
+    def write(self, path: str, comm: _Gathers) -> Optional[str]:
         """Gather every rank's events and write one trace on rank 0 (collective); return the path there."""
         gathered = comm.allgather_object(self.events)
         if comm.rank != 0:

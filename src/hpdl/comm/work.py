@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, Optional, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from hpdl.comm.base import Communicator
+from hpdl.comm.trace import Tracer
+from hpdl.errors import CommTimeoutError
 
 __all__ = ["Work"]
 
 T = TypeVar("T")
+
+
+class WorkOwner(Protocol):
+    """What a handle needs of its communicator: `hpdl.comm.base.Communicator`, which imports this module."""
+
+    @property
+    def timeout(self) -> float: ...
+
+    @property
+    def tracer(self) -> Optional[Tracer]: ...
+
+    def _timeout_error(self, op: str, seq: int, waited: float) -> CommTimeoutError: ...
+
+    def _trace_op(self, op: str, started: float) -> None: ...
+
+
 _NOTHING = object()
 
 # MPI engines move large messages only while a process is inside a call, so a
@@ -63,7 +79,7 @@ class Work(Generic[T]):
 
     def __init__(
         self,
-        comm: Communicator,
+        comm: WorkOwner,
         op: str,
         seq: int,
         test: Callable[[], bool],
@@ -144,12 +160,12 @@ def _finished() -> bool:
     return True
 
 
-def completed(comm: Communicator, op: str, seq: int, result: T) -> Work[T]:
+def completed(comm: WorkOwner, op: str, seq: int, result: T) -> Work[T]:
     """A handle for work that finished at once (one-process communicators, empty inputs)."""
     return Work(comm, op, seq, lambda: True, lambda: result)
 
 
-def chain(comm: Communicator, op: str, seq: int, parts: list[Work], finish: Callable[[], T]) -> Work[T]:
+def chain(comm: WorkOwner, op: str, seq: int, parts: list[Work], finish: Callable[[], T]) -> Work[T]:
     """One handle for several engine operations that finish together."""
 
     def test() -> bool:

@@ -10,7 +10,7 @@ import torch
 import hpdl
 from hpdl.comm.base import Communicator
 from hpdl.comm.work import Work
-from hpdl.parallel.data_parallel import broadcast_tensors
+from hpdl.parallel.data.data_parallel import broadcast_tensors
 
 __all__ = [
     "init",

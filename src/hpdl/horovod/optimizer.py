@@ -1,4 +1,4 @@
-"""Horovod's `DistributedOptimizer`, on hpdl's gradient buckets (`hpdl.parallel.buckets.GradientReducer`)."""
+"""Horovod's `DistributedOptimizer`, on hpdl's gradient buckets (`hpdl.parallel.data.buckets.GradientReducer`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from hpdl.horovod.ops import Adasum, Compression, check_op, compression_name, world
-from hpdl.parallel.buckets import GradientReducer
-from hpdl.parallel.optimizer_proxy import InnerOptimizerState
+from hpdl.parallel.data.buckets import GradientReducer
+from hpdl.parallel.shared.optimizer_proxy import InnerOptimizerState
 
 __all__ = ["DistributedOptimizer"]
 

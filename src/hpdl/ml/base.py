@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from sklearn.utils.validation import check_array
@@ -31,7 +31,6 @@ __all__ = [
     "SpmdShards",
     "ShardMismatchError",
     "is_dask_array",
-    "make_shards",
     "validate_block",
     "agree_on_layout",
 ]
@@ -205,37 +204,3 @@ def agree_on_layout(comm: Any, local: Any, estimator: str, *, allow_all_empty: b
     if not allow_all_empty and sum(t[0] for t in table) == 0:
         raise ValueError(f"{estimator}: every rank passed an empty shard (0 samples in total); at least 1 is required")
     return [t[0] for t in table]
-
-
-def make_shards(
-    X: Any,
-    extra: Sequence[Any],
-    *,
-    comm: Any,
-    dtype: Any,
-    estimator: str,
-    extra_checks: Optional[Callable[[np.ndarray, list], list]] = None,
-) -> Shards:
-    """Validate the input where it lives and wrap it: Dask array, rank's shard (comm), or one array.
-
-    `extra` are row-aligned companions of X (sample weights, targets) or
-    None; `extra_checks(X, extra)` validates them against the checked X and
-    returns them as arrays (it runs on the rank, so its error is shared).
-    """
-    if is_dask_array(X):
-        from hpdl.ml.dask_backend import DaskShards
-
-        return DaskShards.build(X, extra, dtype=dtype, estimator=estimator)
-    distributed = comm is not None and comm.size > 1
-    if not distributed:
-        Xv = validate_block(X, dtype=dtype, allow_empty=False, estimator=estimator)
-        parts = extra_checks(Xv, list(extra)) if extra_checks else list(extra)
-        return LocalShards((Xv, *parts))
-    try:
-        Xv = validate_block(X, dtype=dtype, allow_empty=True, estimator=estimator)
-        parts = extra_checks(Xv, list(extra)) if extra_checks else list(extra)
-        outcome: Any = Xv
-    except (ValueError, TypeError) as exc:
-        outcome = exc
-    sizes = agree_on_layout(comm, outcome, estimator)
-    return SpmdShards((Xv, *parts), comm, sizes)

@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted
 
-from hpdl.ml.base import Shards, is_dask_array, make_shards, validate_block
+from hpdl.ml.base import Shards, is_dask_array, validate_block
+from hpdl.ml.inputs import make_shards
 
 __all__ = ["DistributedMixin", "weights_check", "check_weights"]
 

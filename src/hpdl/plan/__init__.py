@@ -14,7 +14,7 @@ from hpdl.plan.memory import bubble_fraction, model_states, state_bytes
 from hpdl.plan.models import NAMES, reference_profile, transformer_profile
 from hpdl.plan.presets import parse_cluster, preset_cluster
 from hpdl.plan.profile import Layer, ModelProfile, ProfileError, measure, measure_factory
-from hpdl.plan.search import SearchResult, search
+from hpdl.plan.ranking import SearchResult, search
 
 __all__ = [
     "Cluster",

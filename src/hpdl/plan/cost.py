@@ -140,7 +140,7 @@ def balance(weights: list[float], parts: int) -> list[int]:
     The pipeline's own partition (`hpdl.parallel.pipe.balance.partition`, exact dynamic programming), so a
     predicted split is the split balance="auto" makes from the same per-layer costs.
     """
-    from hpdl.parallel.pipe.balance import partition
+    from hpdl.parallel.pipe.balance import partition  # lazy: `hpdl plan` starts without the strategies (~0.4 s)
 
     if not 1 <= parts <= len(weights):
         raise ValueError(f"cannot split {len(weights)} layers into {parts} pipeline stages")
@@ -405,12 +405,12 @@ class CostModel:
         self, c: Candidate, s: _Stage, p: int, b: float, recomputes: bool, bucket: float
     ) -> tuple[dict[str, float], float, float]:
         """Model states and buffers, and activations as (bytes per alive micro-batch, fixed bytes)."""
-        from hpdl.parallel.zero import memory_formula
+        from hpdl.parallel.zero_redundancy import memory_formula  # lazy: start-up time, as above
 
         wl, cl = self.workload, self.cluster
-        # M1: model states as hpdl's ZeRO keeps them (hpdl.parallel.zero.memory_formula): in mixed precision the
-        # gradient shards of stages 2 and 3 are fp32, and at stage 3 the fp32 master shard is the parameter (the
-        # paper's 16 Psi / N total at stage 3 is unchanged).
+        # M1: model states as hpdl's ZeRO keeps them (hpdl.parallel.zero_redundancy.memory_formula): in mixed
+        # precision the gradient shards of stages 2 and 3 are fp32, and at stage 3 the fp32 master shard is the
+        # parameter (the paper's 16 Psi / N total at stage 3 is unchanged).
         mixed = wl.precision == "mixed"
         states = memory_formula(
             c.zero,

@@ -17,7 +17,7 @@ For Psi = 7.5e9, N = 64 these are 120, 31.4, 16.6 and 1.875 GB (the paper's
 Figure 1).
 
 The formulas themselves live beside the implementations, once:
-`hpdl.parallel.zero.memory_formula` (here with K folded into the optimizer
+`hpdl.parallel.zero_redundancy.memory_formula` (here with K folded into the optimizer
 state and 16-bit gradient shards, the paper's accounting; the cost model
 calls it with hpdl's own mixed precision) and
 `hpdl.parallel.pipe.schedule.bubble_fraction`. They are imported on first
@@ -109,7 +109,7 @@ def model_states(params: float, dp: int, stage: int, optimizer: str = "adam", pr
         raise ValueError(f"ZeRO stage {stage!r}: use 0 (plain data parallel), 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp = {dp!r}: the data-parallel degree is at least 1")
-    from hpdl.parallel.zero import memory_formula
+    from hpdl.parallel.zero_redundancy import memory_formula  # lazy: `hpdl plan` starts without the strategies
 
     b = state_bytes(optimizer, precision)
     # the paper's accounting: K (master copy included) as optimizer state, gradient shards as wide as the gradients
@@ -123,7 +123,7 @@ def bubble_fraction(stages: int, micro_batches: int) -> Fraction:
     Huang et al., "GPipe", NeurIPS 2019: each of p stages waits p - 1 slots
     while m micro-batches fill and drain the pipe. 1F1B has the same bubble.
     """
-    from hpdl.parallel.pipe.schedule import bubble_fraction as schedule_bubble
+    from hpdl.parallel.pipe.schedule import bubble_fraction as schedule_bubble  # lazy: start-up time
 
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"bubble of p={stages}, m={micro_batches}: both must be >= 1")

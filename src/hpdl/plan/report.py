@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hpdl.plan.cost import Estimate
 from hpdl.plan.memory import bubble_fraction, model_states
-from hpdl.plan.search import SearchResult
+from hpdl.plan.ranking import SearchResult
 
 __all__ = [
     "markdown_table",

@@ -118,7 +118,7 @@ def _run_plan(comm: Any, fields: dict[str, Any], spec: dict[str, Any], steps: in
     import torch
 
     from hpdl.parallel.mesh import Mesh, build
-    from hpdl.parallel.plan_config import Plan
+    from hpdl.parallel.mesh.plan_config import Plan
 
     torch.manual_seed(0)
     model, batch, loss_fn = build_model(spec)
@@ -232,7 +232,7 @@ def predictions(options: Options, cluster: Any) -> tuple[list[dict[str, Any]], d
 
     from hpdl.plan.cost import Workload
     from hpdl.plan.profile import measure
-    from hpdl.plan.search import plan_fields, search
+    from hpdl.plan.ranking import plan_fields, search
 
     rows: list[dict[str, Any]] = []
     specs = {}

@@ -20,7 +20,6 @@ the problem.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -30,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from hpdl.errors import HpdlError
+from hpdl.checkpoint.errors import CheckpointError
+from hpdl.checkpoint.files import content_digest, unwrap, write_atomically
 
 if TYPE_CHECKING:
     from hpdl.comm.base import Communicator
@@ -42,10 +42,6 @@ VERSION = 1
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(HpdlError):
-    """A checkpoint cannot be read or does not fit what it is loaded into; the message names the file."""
-
-
 @dataclass
 class Checkpoint:
     """What `load` returns besides the restored objects: where training stopped and the caller's extras."""
@@ -55,12 +51,6 @@ class Checkpoint:
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
     rng: Optional[dict[str, Any]] = None
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module inside a wrapper (DataParallel and similar keep it as `.module`)."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 # ---------------------------------------------------------------------------- RNG states as plain values
@@ -142,37 +132,11 @@ def save(
             "rng": states,
             "extra": dict(extra or {}),
         }
-        payload["digest"] = _digest(payload)
-        _write_atomically(path, payload)
+        payload["digest"] = content_digest(payload)
+        write_atomically(path, payload)
         log.info("checkpoint written: %s (epoch %d, step %d)", path, epoch, step)
     if comm is not None:
         comm.barrier()
-
-
-def _write_atomically(path: str, payload: dict[str, Any]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    try:  # make the rename itself durable
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 # ---------------------------------------------------------------------------- load
@@ -195,7 +159,7 @@ def read(path: str, map_location: Any = "cpu") -> dict[str, Any]:
             f"checkpoint {path} has format version {payload.get('version')}; this hpdl reads version {VERSION}"
         )
     digest = payload.pop("digest", None)
-    if digest is None or digest != _digest(payload):
+    if digest is None or digest != content_digest(payload):
         raise CheckpointError(
             f"checkpoint {path} ({size} bytes) is corrupt: its contents do not match the digest written with them. "
             "Resume from an older checkpoint or start afresh."
@@ -275,31 +239,6 @@ def _check_model(path: str, model: torch.nn.Module, saved: dict[str, Any]) -> No
             f"checkpoint {path} does not fit this model ({type(model).__name__}): {shown}. "
             "Build the model with the configuration of the saved run."
         )
-
-
-def _digest(obj: Any) -> str:
-    """BLAKE2b over the structure, plain values and tensor bytes of `obj` (dict order as stored)."""
-    h = hashlib.blake2b(digest_size=20)
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous().reshape(-1)
-            h.update(f"T{t.dtype}{tuple(x.shape)};".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, dict):
-            h.update(f"D{len(x)};".encode())
-            for key, value in x.items():
-                h.update(f"K{key!r};".encode())
-                walk(value)
-        elif isinstance(x, (list, tuple)):
-            h.update(f"L{len(x)};".encode())
-            for value in x:
-                walk(value)
-        else:
-            h.update(f"V{x!r};".encode())
-
-    walk(obj)
-    return h.hexdigest()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -125,7 +125,9 @@ def worker(options: argparse.Namespace) -> int:
 
     import hpdl
     from hpdl.parallel import DataParallel
-    from hpdl.train import DistributedSampler, Trainer, WarmupSchedule
+    from hpdl.train.sampler import DistributedSampler  # here, not at the top: `hpdl demo` starts on the stdlib
+    from hpdl.train.schedule import WarmupSchedule
+    from hpdl.train.trainer import Trainer
 
     started = time.perf_counter()
     comm = hpdl.init(options.backend)
@@ -200,9 +202,9 @@ REPORT_FILES = ("summary.json", "loss.png", "timeline.json")
 
 
 def _config(options: argparse.Namespace, comm: Any, global_batch: int, model: Any) -> dict[str, Any]:
-    from hpdl.bench.report import environment
+    from hpdl.runtime.machine import describe
 
-    env = environment()
+    env = describe()
     env.pop("mpi_library_version_full", None)
     return {
         "ranks": comm.size,

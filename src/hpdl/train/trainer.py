@@ -30,6 +30,7 @@ from hpdl.comm.base import Communicator
 from hpdl.comm.trace import Tracer
 from hpdl.errors import HpdlError
 from hpdl.parallel import DataParallel
+from hpdl.parallel.shared import clip_by_global_norm_
 from hpdl.train import checkpoint as ckpt
 from hpdl.train.progress import Progress
 from hpdl.train.sampler import DistributedSampler
@@ -71,8 +72,6 @@ def clip_grad_norm_(
     tp rank; use `hpdl.parallel.mesh.clip_grad_norm_(model, max_norm, mesh)`
     there, and a ZeRO optimizer's own `clip_grad_norm_` for ZeRO shards.
     """
-    from hpdl.parallel.mesh import clip_by_global_norm_
-
     return clip_by_global_norm_(
         [p.grad for p in parameters], max_norm, groups=(comm,) if comm is not None else (), norm_type=norm_type
     )

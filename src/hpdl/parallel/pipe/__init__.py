@@ -1,7 +1,6 @@
-"""Pipeline parallelism's parts: schedules, micro-batches, balance, point-to-point links and the step engine.
+"""Pipeline parallelism: `Pipeline` (the front, in `pipeline`) and its parts, one job per module.
 
-`hpdl.parallel.Pipeline` (in `hpdl.parallel.pipeline`) is the public entry;
-the modules here are one job each: `schedule` (who runs which micro-batch
+`hpdl.parallel.Pipeline` is the public entry; the other modules are: `schedule` (who runs which micro-batch
 when), `microbatch` (splitting batches), `balance` (measured costs and the
 partition), `p2p` (activations and gradients between neighbours, errors
 too), `engine` (runs one stage's actions) and `memory` (an activation meter).
@@ -9,4 +8,7 @@ too), `engine` (runs one stage's actions) and `memory` (an activation meter).
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from hpdl.parallel.pipe.errors import BalanceError, PipelineError, StageFailedError
+from hpdl.parallel.pipe.pipeline import Pipeline
+
+__all__ = ["Pipeline", "PipelineError", "StageFailedError", "BalanceError"]

@@ -9,9 +9,9 @@
 
 Rank r of `comm` runs stage r. The inputs `x` are read on the first stage
 only, the targets `y` and `loss_fn` on the last stage only (other ranks may
-pass None); the mean loss comes back on every rank. The parts live in
-`hpdl.parallel.pipe`: schedules, micro-batches, balance, point-to-point
-links and the step engine.
+pass None); the mean loss comes back on every rank. The parts live beside
+this module in `hpdl.parallel.pipe`: schedules, micro-batches, balance,
+point-to-point links and the step engine.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
+from hpdl.parallel.data import DataParallel
 from hpdl.parallel.pipe import balance as balancing
 from hpdl.parallel.pipe.engine import PREDICT, TRAIN, StageEngine, StepStats
 from hpdl.parallel.pipe.errors import BalanceError, PipelineError, StageFailedError
@@ -93,17 +94,14 @@ class Pipeline:
         self.layers = nn.Sequential(*own)
         """This stage's layers as a plain `nn.Sequential` of the model's own modules."""
         if data_parallel is not None:
-            from hpdl.parallel.data_parallel import DataParallel
-
             self.module: nn.Module = DataParallel(self.layers, data_parallel)
         else:
             self.module = wrap_stage(self.layers) if wrap_stage is not None else self.layers
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"wrap_stage returned {type(self.module).__name__}, not an nn.Module")
-        from hpdl.parallel.zero import ZeroModel
-
-        if isinstance(self.module, ZeroModel):  # its clip_grad_norm_ must know that it holds one stage
-            self.module.pipeline_stages = self.stages
+        if isinstance(getattr(self.module, "pipeline_stages", None), int):
+            # A wrapper that clips over its own ranks (a ZeroModel) must know that it holds one stage of several.
+            self.module.__dict__["pipeline_stages"] = self.stages
         # A private communicator: the pipeline's messages never meet the caller's own (`close` frees it).
         private = comm.split(0, comm.rank) if comm.size > 1 else comm
         if private is None:

@@ -8,35 +8,33 @@
 Stage 1 keeps the optimizer state of this rank's part of the parameters only
 (gradients are averaged by `DataParallel`'s bucketed allreduce, each rank
 steps its part, the parts are all-gathered). Stage 2 also keeps only the
-gradient shard (reduce-scatter per unit during backward,
-`hpdl.parallel.zero_reduce`). Stage 3 also shards the parameters and
-gathers a unit of them just before its forward and backward
-(`hpdl.parallel.zero_stage3`). The layout (units split evenly over the
-ranks, balanced by bytes) is `hpdl.parallel.zero_partition`; each unit's
-buffers are `hpdl.parallel.zero_units`. Memory per rank, for Psi parameters
-on N ranks, is `memory_formula`.
+gradient shard (reduce-scatter per unit during backward, `reduce`). Stage
+3 also shards the parameters and gathers a unit of them just before its
+forward and backward, prefetching the next (`stage3`). The layout (units
+split evenly over the ranks, balanced by bytes) is `partition`; each unit's
+buffers are `units`; what a rank writes to and reads from a sharded
+checkpoint is `checkpointing` (all modules of `hpdl.parallel.zero_redundancy`).
+Memory per rank, for Psi parameters on N ranks, is `memory_formula`.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
+from hpdl.checkpoint import ShardReader, ShardWriter
 from hpdl.comm.base import Communicator
-from hpdl.parallel.buckets import GradientReducer
-from hpdl.parallel.optimizer_proxy import InnerOptimizerState
-from hpdl.parallel.zero_partition import Unit, plan_units
-from hpdl.parallel.zero_reduce import ShardReducer
-from hpdl.parallel.zero_stage3 import ParamScheduler, WrapPolicy, units_by_policy
-from hpdl.parallel.zero_units import UnitBuffers, build_unit
-
-if TYPE_CHECKING:
-    from hpdl.parallel.mesh import Mesh
+from hpdl.parallel.data.buckets import GradientReducer
+from hpdl.parallel.shared import InnerOptimizerState, MeshGroups, clip_by_global_norm_
+from hpdl.parallel.tensor import tp_shards
+from hpdl.parallel.zero_redundancy import checkpointing
+from hpdl.parallel.zero_redundancy.partition import Unit, plan_units
+from hpdl.parallel.zero_redundancy.reduce import ShardReducer
+from hpdl.parallel.zero_redundancy.stage3 import ParamScheduler, WrapPolicy, units_by_policy
+from hpdl.parallel.zero_redundancy.units import UnitBuffers, build_unit
 
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "memory_formula", "clip_zero_grad_norm_"]
 
@@ -215,7 +213,7 @@ class ZeroModel(nn.Module):
                 for b in module.buffers():
                     if b.dtype.is_floating_point:
                         b.data = b.data.to(self.compute_dtype)
-        self.mesh: Optional[Mesh] = None
+        self.mesh: Optional[MeshGroups] = None
         """The `hpdl.parallel.Mesh` this model lives on (set by `hpdl.parallel.build`): clipping spans tp and pp."""
         self.pipeline_stages = 1
         """Stages of the pipeline this model is one stage of (set by `Pipeline`)."""
@@ -316,6 +314,19 @@ class ZeroModel(nn.Module):
             work.wait()
             buffers.keep = []
 
+    # hpdl.checkpoint.ShardedState: the format asks, the strategy knows its pieces
+    def shard_layout(self) -> dict[str, Any]:
+        return {"strategy": "zero", "stage": self.stage}
+
+    def shard_shapes(self) -> dict[str, tuple[int, ...]]:
+        return checkpointing.shapes(self)
+
+    def write_shards(self, writer: ShardWriter) -> None:
+        checkpointing.write_model(writer, self)
+
+    def read_shards(self, reader: ShardReader) -> None:
+        checkpointing.read_model(reader, self)
+
     def __repr__(self) -> str:
         return (
             f"ZeroModel(stage={self.stage}, ranks={self.comm.size}, units={len(self.units)}, "
@@ -366,7 +377,9 @@ class ZeroOptimizer(InnerOptimizerState, torch.optim.Optimizer):
         """(piece parameter, its reduced gradient, a view where possible) for every piece of this rank."""
         return [(param, grad) for _, param, grad in _piece_grads(self.model)]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, mesh: Optional[Mesh] = None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, mesh: Optional[MeshGroups] = None
+    ) -> torch.Tensor:
         """Scale every rank's gradient shard so that the global gradient norm is at most `max_norm`.
 
         Collective over the ZeRO ranks and, on a mesh, over its tp and pp
@@ -489,19 +502,23 @@ class ZeroOptimizer(InnerOptimizerState, torch.optim.Optimizer):
         for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
             group.update(saved)
 
+    # hpdl.checkpoint.ShardedOptimizer: the format asks, the strategy knows its pieces
+    def write_shards(self, writer: ShardWriter) -> None:
+        checkpointing.write_optimizer(writer, self)
+
+    def read_shards(self, reader: ShardReader, values: dict[str, Any]) -> None:
+        checkpointing.read_optimizer(reader, self, values)
+
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.model.stage}, ranks={self.comm.size}, inner={self.optimizer!r})"
 
 
 @torch.no_grad()
 def clip_zero_grad_norm_(
-    model: ZeroModel, max_norm: float, *, norm_type: float = 2.0, mesh: Optional[Mesh] = None
+    model: ZeroModel, max_norm: float, *, norm_type: float = 2.0, mesh: Optional[MeshGroups] = None
 ) -> torch.Tensor:
     """`ZeroOptimizer.clip_grad_norm_` (and `hpdl.parallel.mesh.clip_grad_norm_` of a ZeRO model): the shards
     are disjoint over the ZeRO ranks, so their partial norms are summed there, then over tp and pp on a mesh."""
-    from hpdl.parallel.mesh import Mesh, clip_by_global_norm_
-    from hpdl.parallel.tensor.state import tp_shards
-
     mesh = mesh if mesh is not None else model.mesh
     split = set(tp_shards(model.module))
     if mesh is None and (split or model.pipeline_stages > 1):
@@ -517,7 +534,7 @@ def clip_zero_grad_norm_(
             "hpdl.parallel.clip_grad_norm_(model, max_norm, mesh)"
         )
     if mesh is not None:
-        if not isinstance(mesh, Mesh):
+        if not isinstance(mesh, MeshGroups):
             raise TypeError(f"clip_grad_norm_: mesh must be an hpdl.parallel.Mesh, got {type(mesh).__name__}")
         if (mesh.dp.size, mesh.dp.rank) != (model.comm.size, model.comm.rank):
             raise ValueError(
@@ -598,14 +615,3 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: _cast(v, dtype) for k, v in value.items()}
     return value
-
-
-class _CallableModule(types.ModuleType):
-    """`hpdl.parallel.zero(...)` calls the function even once the import system has bound the package attribute
-    `hpdl.parallel.zero` to this module (a submodule and its main function share the name)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[ZeroModel, ZeroOptimizer]:
-        return zero(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

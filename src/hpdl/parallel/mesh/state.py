@@ -18,18 +18,25 @@ from __future__ import annotations
 
 import os
 import secrets
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from hpdl.checkpoint.errors import CheckpointError
+from hpdl.checkpoint.format import METADATA, read_metadata, shard_name, write_metadata, write_shard
+from hpdl.checkpoint.reader import ShardReader
 from hpdl.comm.base import Communicator
-from hpdl.parallel.data_parallel import DataParallel
-from hpdl.parallel.tensor.shards import TPShard
-from hpdl.parallel.tensor.state import tp_shards
+from hpdl.parallel.data import DataParallel
+from hpdl.parallel.tensor import TPShard, tp_shards
+from hpdl.parallel.zero_redundancy import ZeroModel
 
-__all__ = ["full_state", "load_state", "save", "load"]
+__all__ = ["full_state", "load_state", "save", "load", "view_of", "LAYER_NAMES"]
+
+LAYER_NAMES: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()
+"""Pipeline built by `build` -> the names of the model's layers, so that stage parameters keep their model names."""
 
 
 @dataclass
@@ -42,9 +49,8 @@ class _View:
     local: Callable[[str], Optional[str]]
 
 
-def _view(model: Any) -> _View:
-    from hpdl.parallel.mesh import LAYER_NAMES
-
+def view_of(model: Any) -> _View:
+    """What `model` (a plain module, its DataParallel or ZeRO wrapper, or a `Pipeline`) holds on this rank."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.Sequential) and hasattr(model, "first_layer"):  # a Pipeline
         names = LAYER_NAMES.get(model) or [str(i) for i in range(model.first_layer + len(layers))]
@@ -63,7 +69,7 @@ def _view(model: Any) -> _View:
 
         wrapper = model.module if model.module is not layers else None
         return _View(layers, wrapper, logical, local)
-    if isinstance(model, DataParallel) or type(model).__name__ == "ZeroModel":
+    if isinstance(model, (DataParallel, ZeroModel)):
         return _View(model.module, model, _same, _same)
     if isinstance(model, nn.Module):
         return _View(model, None, _same, _same)
@@ -75,7 +81,7 @@ def _same(name: str) -> str:
 
 
 def _is_zero(wrapper: Optional[nn.Module]) -> bool:
-    return wrapper is not None and type(wrapper).__name__ == "ZeroModel"
+    return isinstance(wrapper, ZeroModel)
 
 
 def _unsharded(view: _View) -> dict[str, torch.Tensor]:
@@ -95,7 +101,7 @@ def full_state(model: Any, optimizer: Optional[torch.optim.Optimizer], mesh: Any
 
     Names are the plain model's. Collective over the whole mesh; the result is the same on every rank.
     """
-    view = _view(model)
+    view = view_of(model)
     shards = tp_shards(view.plain)
     local = {k: v.detach().clone() for k, v in _unsharded(view).items()}
     if _is_zero(view.wrapper):  # the fp32 masters (stage 3: the parameters exist only as shards)
@@ -183,7 +189,7 @@ def _zero_state(optimizer: Any, params: dict[str, nn.Parameter], dp: Communicato
 def load_state(model: Any, optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
     """Load a `full_state` result into a model (and optimizer) built by `build` on any mesh; no communication
     except ZeRO's republishing of parameters (collective over its dp group)."""
-    view = _view(model)
+    view = view_of(model)
     shards = tp_shards(view.plain)
     full_model = state["model"]
     cut: dict[str, torch.Tensor] = {}
@@ -265,9 +271,7 @@ def save(path: str, model: Any, optimizer: Optional[torch.optim.Optimizer], mesh
     mesh, and with `hpdl.checkpoint.load` into a plain, DataParallel or
     ZeRO model.
     """
-    from hpdl.checkpoint.format import METADATA, read_metadata, shard_name, write_metadata, write_shard
-
-    view = _view(model)
+    view = view_of(model)
     shards = tp_shards(view.plain)
     params = dict(view.plain.named_parameters())
     model_local, opt_local = _local_tensors(view, optimizer, mesh)
@@ -358,12 +362,9 @@ def save(path: str, model: Any, optimizer: Optional[torch.optim.Optimizer], mesh
 def load(path: str, model: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
     """Load a sharded checkpoint (from `save` on any mesh, or `hpdl.checkpoint.save`) into a model built on
     any mesh; each rank reads the tensors of its stage and cuts its tp slice. Returns the saved `extra`."""
-    from hpdl.checkpoint.reader import ShardReader
-    from hpdl.train.checkpoint import CheckpointError
-
     reader = ShardReader(path)
     try:
-        view = _view(model)
+        view = view_of(model)
         names = set(reader.names)
         wanted = [view.logical(n) for n in view.plain.state_dict()]
         missing = [n for n in wanted if f"model/{n}" not in names]

@@ -7,20 +7,20 @@ The user's model stays a plain `nn.Module` (torchtitan's
 first match wins) is replaced in its parent by the tensor-parallel layer of
 that style, loaded with this rank's slice of the module's existing weights.
 tp rank 0's weights are broadcast first, so ranks that initialised
-differently agree. Styles: see `hpdl.parallel.plan_config.TP_STYLES`.
+differently agree. Styles: see `hpdl.parallel.tensor.styles.TP_STYLES`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping
 
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.data_parallel import broadcast_tensors
-from hpdl.parallel.plan_config import TP_STYLES, Plan, split_problem
+from hpdl.parallel.data.data_parallel import broadcast_tensors
 from hpdl.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from hpdl.parallel.tensor.styles import TP_STYLES, split_problem
 
 __all__ = ["parallelize", "tp_comm_of"]
 
@@ -33,9 +33,7 @@ def tp_comm_of(mesh_or_comm: Any) -> Communicator:
     return comm
 
 
-def parallelize(
-    model: nn.Module, mesh_or_comm: Any, plan: Optional[Union[Mapping[str, str], Plan]] = None
-) -> nn.Module:
+def parallelize(model: nn.Module, mesh_or_comm: Any, plan: Any = None) -> nn.Module:
     """Convert `model`'s layers in place by pattern -> style and return it.
 
     `plan`: a mapping of fnmatch patterns on module names (as in
@@ -109,9 +107,9 @@ def _convert(module: nn.Module, style: str, comm: Communicator, where: str) -> n
     return ColumnParallelLinear.from_linear(module, comm, gather_output=style == "column_gather")
 
 
-def _patterns(model: nn.Module, plan: Optional[Union[Mapping[str, str], Plan]]) -> dict[str, str]:
-    if isinstance(plan, Plan):
-        patterns = plan.tp_plan_for(model)
+def _patterns(model: nn.Module, plan: Any) -> dict[str, str]:
+    if callable(getattr(plan, "tp_plan_for", None)):  # an hpdl.parallel.Plan (defined above this package)
+        patterns = dict(plan.tp_plan_for(model))
     elif plan is None:
         own = getattr(model, "tp_plan", None)
         patterns = dict(own) if isinstance(own, Mapping) else {}

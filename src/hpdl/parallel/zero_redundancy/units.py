@@ -32,7 +32,7 @@ from torch import nn
 
 from hpdl.comm.base import Communicator
 from hpdl.comm.work import Work
-from hpdl.parallel.zero_partition import Piece, Unit
+from hpdl.parallel.zero_redundancy.partition import Piece, Unit
 
 __all__: list[str] = []
 

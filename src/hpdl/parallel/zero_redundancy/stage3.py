@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.zero_units import UnitBuffers
+from hpdl.parallel.zero_redundancy.units import UnitBuffers
 
 __all__: list[str] = []
 

@@ -30,8 +30,8 @@ from torch import nn
 
 from hpdl.comm.base import Communicator
 from hpdl.comm.work import Work
-from hpdl.parallel.buckets import queue_end_of_backward
-from hpdl.parallel.zero_units import UnitBuffers
+from hpdl.parallel.data.buckets import queue_end_of_backward
+from hpdl.parallel.zero_redundancy.units import UnitBuffers
 
 __all__: list[str] = []
 

@@ -7,7 +7,7 @@
 
 Wrapping broadcasts rank 0's parameters and buffers, so every rank starts
 from the same state. Gradients are reduced in buckets from hooks during
-backward (`hpdl.parallel.buckets`). With `broadcast_buffers=True`, rank 0's
+backward (`hpdl.parallel.data.buckets`). With `broadcast_buffers=True`, rank 0's
 buffers (batch-norm running statistics) are broadcast before every forward
 in training mode, as PyTorch DDP does.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.buckets import GradientReducer, allocate, describe
+from hpdl.parallel.data.buckets import GradientReducer, allocate, describe
 
 __all__ = ["DataParallel", "broadcast_tensors"]
 
@@ -67,7 +67,7 @@ class DataParallel(nn.Module):
 
     Every rank must run the same number of synced backward passes; a
     parameter that gets no gradient on some rank in a step is handled
-    (see `hpdl.parallel.buckets`). Forward and backward spans and one span
+    (see `hpdl.parallel.data.buckets`). Forward and backward spans and one span
     per bucket allreduce go to `comm.tracer` when it is set.
     """
 

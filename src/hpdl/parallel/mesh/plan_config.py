@@ -25,16 +25,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["Plan", "PlanError", "TP_STYLES", "AXES", "resolve_degrees", "split_problem"]
+from hpdl.parallel.tensor.styles import TP_STYLES, split_problem
 
-TP_STYLES = {
-    "column": "ColumnParallelLinear: output features split; the output stays split (pair it with a 'row' layer)",
-    "row": "RowParallelLinear: input features split; the partial outputs are summed across tp ranks",
-    "qkv": "fused query/key/value Linear split by attention heads (3 column blocks); attention runs on local heads",
-    "vocab": "VocabParallelEmbedding: vocabulary rows split; the lookups are summed across tp ranks",
-    "column_gather": "ColumnParallelLinear whose output is gathered back to full width (e.g. an output layer)",
-}
-"""Tensor-parallel styles that `Plan.tp_plan` may name, with what each does."""
+__all__ = ["Plan", "PlanError", "TP_STYLES", "AXES", "resolve_degrees", "split_problem"]
 
 AXES = ("tp", "dp", "pp")
 """Mesh axes; `Plan.placement` orders them from innermost (consecutive ranks) to outermost."""
@@ -369,28 +362,6 @@ def _check_int(name: str, value: Any, choices: Optional[tuple]) -> None:
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise PlanError(f"Plan: {name}={value!r} must be one of {list(choices)}")
-
-
-def split_problem(module: Any, style: str, tp: int) -> str:
-    """Why `module` cannot be split `tp` ways in `style` ('' when it can)."""
-    from torch import nn
-
-    if style == "vocab":
-        if not isinstance(module, nn.Embedding):
-            return f"'vocab' splits an nn.Embedding; this is a {type(module).__name__}"
-        if module.num_embeddings % tp:
-            return f"the vocabulary ({module.num_embeddings}) does not divide by {tp}"
-        return ""
-    if not isinstance(module, nn.Linear):
-        return f"'{style}' splits an nn.Linear; this is a {type(module).__name__}"
-    if style == "row":
-        return f"in_features ({module.in_features}) does not divide by {tp}" if module.in_features % tp else ""
-    if style == "qkv":
-        if module.out_features % 3:
-            return f"out_features ({module.out_features}) is not 3 x hidden (query, key, value)"
-        per = module.out_features // 3
-        return f"hidden ({per}) does not divide by {tp}" if per % tp else ""
-    return f"out_features ({module.out_features}) does not divide by {tp}" if module.out_features % tp else ""
 
 
 def _heads(model: Any) -> Optional[int]:

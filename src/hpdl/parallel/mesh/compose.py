@@ -1,0 +1,138 @@
+"""`build`: the one entry for every strategy: apply a `Plan` to a plain model on a `Mesh`.
+
+    mesh = hpdl.parallel.Mesh(comm, dp=2, pp=2, tp=1)          # -1 infers one degree
+    model, optimizer = hpdl.parallel.build(model, mesh, plan)   # tp, then pipeline, then dp / ZeRO
+
+It sits above every strategy package and composes them in torchtitan's
+order: tensor parallelism, the pipeline, then data parallelism or ZeRO.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from hpdl.parallel.data import DataParallel
+from hpdl.parallel.mesh.mesh import Mesh
+from hpdl.parallel.mesh.plan_config import Plan, PlanError
+from hpdl.parallel.mesh.state import LAYER_NAMES
+from hpdl.parallel.pipe import Pipeline
+from hpdl.parallel.tensor import parallelize
+from hpdl.parallel.zero_redundancy import zero
+
+__all__ = ["build"]
+
+
+def build(
+    model: nn.Module,
+    mesh: Mesh,
+    plan: Optional[Plan] = None,
+    *,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+    **optimizer_options: Any,
+) -> tuple[Any, torch.optim.Optimizer]:
+    """Apply `plan` to the plain `model` on `mesh`; return (model or pipeline, optimizer).
+
+    Order (torchtitan's): tensor parallelism first (`parallelize` over
+    `mesh.tp`, by the plan's or the model's `tp_plan`), then the pipeline
+    over `mesh.pp` (each rank keeps its stage), then data parallelism over
+    `mesh.dp`: `DataParallel`, or ZeRO stage 1/2/3 when `plan.zero_stage`
+    is set. `optimizer` is a `torch.optim` class built with
+    `optimizer_options` (lr=...) over this rank's parameters (its stage,
+    its tp slices, its ZeRO shard).
+
+    Without a pipeline the result is a module: `loss_fn(model(x), y).backward();
+    optimizer.step()`. With one it is a `Pipeline`: `loss = pipe.step(x, y,
+    loss_fn); optimizer.step()`. When the plan splits the output layer's
+    vocabulary (GPT's tp_plan), compute the loss with
+    `hpdl.parallel.tensor.vocab_parallel_cross_entropy(logits, y, mesh.tp)`.
+    Collective over the mesh's world.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"build: model must be a plain nn.Module, got {type(model).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"build: mesh must be an hpdl.parallel.Mesh, got {type(mesh).__name__}")
+    if plan is None:
+        shape = mesh.shape
+        plan = Plan(dp=shape["dp"], pp=shape["pp"], tp=shape["tp"], micro_batches=shape["pp"], placement=mesh.placement)
+    plan = plan.validate(mesh.size, model)
+    if plan.degrees() != mesh.shape:
+        have = " x ".join(f"{a}={mesh.shape[a]}" for a in ("dp", "pp", "tp"))
+        want = " x ".join(f"{a}={getattr(plan, a)}" for a in ("dp", "pp", "tp"))
+        raise PlanError(f"build: the plan asks for {want} but the mesh is {have}; build the mesh with Mesh.from_plan")
+    if tuple(plan.placement) != tuple(mesh.placement):
+        raise PlanError(
+            f"build: the plan places the axes {list(plan.placement)} but the mesh {list(mesh.placement)}; "
+            "build the mesh with Mesh.from_plan"
+        )
+    if mesh.tp.size > 1:
+        parallelize(model, mesh.tp, plan.tp_plan_for(model))
+    if plan.pp > 1:
+        return _build_pipeline(model, mesh, plan, optimizer, optimizer_options)
+    if plan.zero_stage:
+        zmodel, zopt = zero(
+            model,
+            mesh.dp,
+            plan.zero_stage,
+            optimizer,
+            bucket_mb=plan.bucket_mb,
+            mixed_precision=plan.mixed_precision,
+            **optimizer_options,
+        )
+        zmodel.mesh = mesh  # the ZeRO optimizer's clip_grad_norm_ then spans tp as well
+        return zmodel, zopt
+    wrapped: nn.Module = model
+    if mesh.dp.size > 1:
+        wrapped = DataParallel(model, mesh.dp, bucket_mb=plan.bucket_mb, compression=plan.compression)
+    return wrapped, optimizer(wrapped.parameters(), **optimizer_options)
+
+
+def _build_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    plan: Plan,
+    optimizer: Callable[..., torch.optim.Optimizer],
+    optimizer_options: dict[str, Any],
+) -> tuple[Any, torch.optim.Optimizer]:
+    """Pipeline over mesh.pp of the (already tensor-parallel) model; each stage data-parallel or ZeRO over mesh.dp.
+
+    The stage wrapper has `no_sync()`, so the pipeline accumulates the
+    micro-batches' gradients locally and reduces once per step (ZeRO-2: one
+    reduce-scatter per step, not per micro-batch).
+    """
+    if not isinstance(model, nn.Sequential):
+        raise PlanError(f"build: pp={plan.pp} splits an nn.Sequential into stages; got {type(model).__name__}")
+    made: dict[str, torch.optim.Optimizer] = {}
+
+    def wrap(stage: nn.Module) -> nn.Module:
+        if plan.zero_stage:
+            zmodel, zopt = zero(
+                stage,
+                mesh.dp,
+                plan.zero_stage,
+                optimizer,
+                bucket_mb=plan.bucket_mb,
+                mixed_precision=plan.mixed_precision,
+                **optimizer_options,
+            )
+            zmodel.mesh = mesh  # the ZeRO optimizer's clip_grad_norm_ then spans tp and pp as well
+            made["optimizer"] = zopt
+            return zmodel
+        if mesh.dp.size > 1:
+            return DataParallel(stage, mesh.dp, bucket_mb=plan.bucket_mb, compression=plan.compression)
+        return stage
+
+    pipe = Pipeline(
+        model,
+        mesh.pp,
+        chunks=plan.micro_batches,
+        schedule=plan.pipeline_schedule or "1f1b",
+        balance=plan.balance,
+        checkpoint=plan.recompute,
+        wrap_stage=wrap,
+    )
+    LAYER_NAMES[pipe] = [name for name, _ in model.named_children()]
+    opt = made.get("optimizer") or optimizer(pipe.parameters(), **optimizer_options)
+    return pipe, opt

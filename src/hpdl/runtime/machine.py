@@ -1,0 +1,66 @@
+"""`describe`: where and with what this process runs (host, CPU, Python, torch, NumPy, MPI, hpdl versions).
+
+Benchmarks record it beside every measurement (`hpdl.bench.report.environment`
+is this function) and `hpdl demo` writes it into its report, so that a
+number can be rerun and compared.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+from typing import Any
+
+import numpy as np
+
+__all__ = ["describe"]
+
+
+def describe(**extra: Any) -> dict[str, Any]:
+    """Where and with what a measurement ran: enough to rerun it (rule 6 of BENCHMARKING.md)."""
+    import torch
+
+    env: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "numpy_version": np.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        text = MPI.Get_library_version().strip()
+        env["mpi_library_version"] = " ".join(text.splitlines()[0].split())
+        env["mpi_library_version_full"] = text
+        env["mpi_standard"] = "{}.{}".format(*MPI.Get_version())
+        env["mpi4py_version"] = mpi4py.__version__
+    except ImportError:
+        env["mpi_library_version"] = None
+    try:
+        from hpdl import __version__ as hpdl_version
+
+        env["hpdl_version"] = hpdl_version
+    except ImportError:  # pragma: no cover - the helpers also serve scripts outside the package
+        env["hpdl_version"] = None
+    env.update(extra)
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
