@@ -139,7 +139,7 @@ class WindowBoard(ProgressBoard):
         self._win = MPI.Win.Allocate(4096, 8, comm=comm)
         self._mine = np.frombuffer(self._win.tomemory(), dtype=np.int64)  # type: ignore[call-overload]
         self._mine[:] = 0
-        self.slots = memoryview(self._win.tomemory()).cast("B").cast("q")
+        self.slots = memoryview(self._win.tomemory()).cast("B").cast("q")  # type: ignore[arg-type]
         """The same two words as a memoryview: the fast paths store into it directly (a third of numpy's cost)."""
         self._win.Lock_all()
         # Lock_all may need answers from the other ranks, which only come while they
