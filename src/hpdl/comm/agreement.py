@@ -108,6 +108,9 @@ class Ledger:
         values[1] = -signature
         return self._vote
 
+    def clear(self) -> None:
+        self.ring[:] = [0] * len(self.ring)  # in place: communicators hold the list itself
+
     @staticmethod
     def agreed(vote: torch.Tensor) -> bool:
         values = vote.numpy()
@@ -129,8 +132,10 @@ def check(comm: Communicator, seq: int) -> None:
     ledger = comm._ledger
     vote = ledger.vote()
     comm._allreduce(vote, "max", seq).wait()
-    if not Ledger.agreed(vote):
-        raise mismatch_error(comm, seq)
+    error = None if Ledger.agreed(vote) else mismatch_error(comm, seq)
+    ledger.clear()  # every rank compared these calls: a later check looks only at newer ones
+    if error is not None:
+        raise error
 
 
 def mismatch_error(comm: Communicator, seq: int) -> CollectiveMismatchError:
