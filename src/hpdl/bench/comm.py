@@ -541,25 +541,31 @@ def measure_fusion(b: Bench) -> list[dict[str, Any]]:
 
 
 def measure_debug(b: Bench) -> list[dict[str, Any]]:
-    """hpdl-mpi allreduce with `comm.debug` off and on (the fingerprint allgather before each call)."""
+    """hpdl-mpi allreduce with `comm.debug` off and on (the fingerprint allgather before each call), and with the
+    agreement check (every `check_every` calls, on by default) switched off, to show what it costs."""
     import torch
 
     records = []
     for nbytes in DEBUG_SIZES:
         buf = torch.zeros(nbytes // ITEMSIZE)
 
-        def call(debug: bool, buf: torch.Tensor = buf) -> Column:
+        every = b.mpi.check_every
+
+        def call(debug: bool, check: bool = True, buf: torch.Tensor = buf, every: int = every) -> Column:
             def run() -> None:
                 b.mpi.debug = debug  # the same value on every rank, as debug mode requires
+                b.mpi._every = every if check else 0  # the agreement check (a plain attribute: no cost to switch)
                 b.mpi.allreduce(buf)
 
             return run
 
         warmup = b.warmup_for(nbytes)
+        columns = {"check off": call(False, False), "debug off": call(False), "debug on": call(True)}
         try:
-            samples, reps = b.alternate({"debug off": call(False), "debug on": call(True)}, warmup=warmup)
+            samples, reps = b.alternate(columns, warmup=warmup)
         finally:
             b.mpi.debug = False
+            b.mpi._every = every
         for column, seconds in samples.items():
             records.append(_record("debug", "allreduce", column, nbytes, seconds, reps, warmup, b))
     return records
@@ -664,7 +670,8 @@ def write_report(b: Bench, records: list[dict[str, Any]], elapsed: float) -> Non
         + op_tables(records, sizes),
         f"## Tensor fusion ({FUSION_TENSORS} tensors of {report.format_bytes(FUSION_BYTES)}, allreduce sum)\n\n"
         + fusion_table(records),
-        "## Debug mode (hpdl-mpi allreduce, comm.debug off vs on)\n\n" + debug_table(records),
+        "## Agreement check and debug mode (hpdl-mpi allreduce; the check runs every "
+        f"{b.mpi.check_every} calls by default)\n\n" + debug_table(records),
         "## Targets\n\n" + "\n".join(targets(records, sizes)),
     ]
     text = "\n\n".join(sections) + "\n"

@@ -13,8 +13,11 @@ from hpdl.bench.comm_spec import (
     OPS,
     SHM_OPS,
     TARGET_FUSION,
+    TARGET_FUSION_VS_FLAT,
     TARGET_SHM_64MB,
     TARGET_SHM_FROM_1MB,
+    TARGET_SMALL_UP_TO,
+    TARGET_SMALL_VS_MPI4PY,
     TARGET_VS_GLOO,
     TARGET_VS_GLOO_FROM,
     TARGET_VS_MPI4PY,
@@ -103,11 +106,16 @@ def debug_table(records: Sequence[dict[str, Any]]) -> str:
     rows = []
     for n in DEBUG_SIZES:
         off, on = debug.get(("allreduce", n, "debug off")), debug.get(("allreduce", n, "debug on"))
+        unchecked = debug.get(("allreduce", n, "check off"))
         if off is None or on is None:
             continue
         extra = on["median_us"] - off["median_us"]
-        rows.append([report.format_bytes(n), _lat(off), _lat(on), f"{extra:+.3g}", _fmt_ratio(_ratio(on, off))])
-    headers = ["size", "debug off µs", "debug on µs", "overhead µs", "on/off"]
+        check = [_lat(unchecked), f"{off['median_us'] - unchecked['median_us']:+.3g}"] if unchecked else ["-", "-"]
+        rows.append([report.format_bytes(n), *check, _lat(off), _lat(on), f"{extra:+.3g}", _fmt_ratio(_ratio(on, off))])
+    headers = [
+        "size", "agreement check off µs", "check cost µs", "debug off µs (default)", "debug on µs", "debug overhead µs",
+        "on/off",
+    ]  # fmt: skip
     return report.markdown_table(headers, rows)
 
 
@@ -116,7 +124,12 @@ def targets(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str
     lat = _by(records, "latency")
     lines = []
     big = [n for n in sizes if n >= TARGET_VS_MPI4PY_FROM]
+    small = [n for n in sizes if n <= TARGET_SMALL_UP_TO]
     for op in OPS:
+        if small:
+            ratios = [(_ratio(lat.get((op, n, "hpdl-mpi")), lat.get((op, n, "mpi4py"))), n) for n in small]
+            claim = f"{op}: hpdl-mpi within {TARGET_SMALL_VS_MPI4PY:.2f}x of mpi4py up to "
+            lines.append(_verdict(claim + report.format_bytes(TARGET_SMALL_UP_TO), ratios, TARGET_SMALL_VS_MPI4PY))
         ratios = [(_ratio(lat.get((op, n, "hpdl-mpi")), lat.get((op, n, "mpi4py"))), n) for n in big]
         lines.append(
             _verdict(
@@ -170,6 +183,11 @@ def targets(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str
             f"{'PASS' if ok else 'MISS'}  fusion ({engine}): coalesced >= {TARGET_FUSION:g}x faster than "
             f"{FUSION_TENSORS} separate calls (speed-up {shown})"
         )
+    flat = _ratio(fusion.get("hpdl-mpi coalesced"), fusion.get("mpi4py one flat call"))
+    lines.append(
+        f"{'PASS' if flat is not None and flat <= TARGET_FUSION_VS_FLAT else 'MISS'}  fusion (hpdl-mpi): coalesced "
+        f"at most {TARGET_FUSION_VS_FLAT:g}x one raw mpi4py call on the packed bytes ({_fmt_ratio(flat)})"
+    )
     return lines
 
 

@@ -9,6 +9,7 @@ methods), each returning a `Work` handle.
 from __future__ import annotations
 
 import math
+import operator
 import pickle
 import sys
 import time
@@ -18,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hpdl.comm import fingerprint, fusion
+from hpdl.comm import agreement, fingerprint, fusion
 from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import ProgressBoard, describe_laggards
 from hpdl.comm.tensors import (
@@ -69,13 +70,53 @@ class Communicator(ABC):
         self.local_rank = local_rank
         self.local_size = local_size
         self.timeout = timeout
-        self.debug = debug
-        self.tracer: Optional[Tracer] = None
-        self._seq = 0
+        self._debug = bool(debug)
+        self._tracer: Optional[Tracer] = None
         self._closed = False
+        self._plain = True
+        """Neither debug nor tracing nor closed: the backends' fast paths apply (kept by the setters)."""
+        self._refresh()
+        self._seq = 0
+        self.check_every = agreement.default_every(self.backend)
+        self._finalize_error: Optional[CommError] = None
         self._broken = False
         self._children: list[Communicator] = []
         self._packer = fusion.Packer()
+
+    # ------------------------------------------------------------------ settings read on every call
+    @property
+    def debug(self) -> bool:
+        """Compare full fingerprints (with call sites) before each collective; the same value on every rank."""
+        return self._debug
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        self._debug = bool(value)
+        self._refresh()
+
+    @property
+    def tracer(self) -> Optional[Tracer]:
+        """A `Tracer` that records every operation, or None."""
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, value: Optional[Tracer]) -> None:
+        self._tracer = value
+        self._refresh()
+
+    @property
+    def check_every(self) -> int:
+        """Collectives between two agreement checks (see agreement.py; 0: off); the same value on every rank."""
+        return self._ledger.every
+
+    @check_every.setter
+    def check_every(self, value: int) -> None:
+        self._ledger = agreement.Ledger(int(value))
+        self._every = self._ledger.every
+        self._ring = self._ledger.ring
+
+    def _refresh(self) -> None:
+        self._plain = not (self._debug or self._tracer is not None or self._closed)
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: ArrayLike, op: str = "sum", *, async_op: bool = False) -> Any:
@@ -108,7 +149,12 @@ class Communicator(ABC):
         t = self._tensor_arg(tensor, "allgather")
         if t.dim() == 0:
             t = t.reshape(1)
-        seq = self._begin("allgather", t, "", shape_tail_only=out is None or sizes is not None)
+        if sizes is not None:
+            extra = sum(int(s) for s in sizes)
+        else:
+            extra = -1 if out is None else t.shape[0] * self.size
+        row = t.element_size() * math.prod(t.shape[1:])  # only dim 0 may differ: the check compares rows
+        seq = self._begin("allgather", t, "", out is None or sizes is not None, extra=extra, nbytes=row)
         if sizes is None:
             counts = self._exchange_sizes(t, seq) if out is None else [t.shape[0]] * self.size
         else:
@@ -161,6 +207,9 @@ class Communicator(ABC):
         """Wait until every rank has arrived (bounded by the timeout like every wait)."""
         self._check_open("barrier")
         seq = self._begin("barrier", None, "")
+        if not async_op and self._every:  # the check's allreduce is a barrier too: check for free
+            agreement.check(self, seq)
+            return None
         work = self._barrier(seq)
         return work if async_op else work.wait()
 
@@ -178,18 +227,27 @@ class Communicator(ABC):
         `bucket_mb` bounds each flat buffer (default HPDL_FUSION_MB or 64).
         """
         self._check_open("allreduce_coalesced")
-        views = [as_tensor(x, "allreduce_coalesced") for x in tensors]
-        if not all(t.is_contiguous() for t in views):
+        # Per-tensor Python is the cost here (200 gradients: every step): C-level maps where possible.
+        views: list[torch.Tensor]
+        if all(type(x) is torch.Tensor for x in tensors):
+            views = tensors if isinstance(tensors, list) else list(tensors)  # type: ignore[assignment,arg-type]
+        else:
+            views = [as_tensor(x, "allreduce_coalesced") for x in tensors]
+        if not all(map(torch.Tensor.is_contiguous, views)):
             for t in views:
                 check_contiguous(t, "allreduce_coalesced")
-        for dtype in {t.dtype for t in views}:
+        for dtype in set(map(_DTYPE, views)):
             check_reduce_op(op, dtype, "allreduce_coalesced")
         detail = f"op={op} tensors={len(views)}"
         if self.debug:  # the shapes' digest costs ~1 us per tensor: only where it is compared
             shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in views)
             detail += f" shapes={zlib.crc32(shapes.encode()):08x}"
-        seq = self._begin("allreduce_coalesced", None, detail)
         plan = self._packer.acquire(views, fusion.bucket_bytes(bucket_mb))
+        try:
+            seq = self._begin("allreduce_coalesced", None, detail, extra=plan.nbytes)
+        except BaseException:
+            plan.busy = False
+            raise
         parts = [self._allreduce(bucket.flat, op, seq) for bucket in plan.buckets]
 
         def finish() -> list:
@@ -277,6 +335,10 @@ class Communicator(ABC):
             child.close()
         self._close()  # may still meet the other ranks (the exit barrier): not closed yet
         self._closed = True
+        self._refresh()
+        if self._finalize_error is not None:
+            error, self._finalize_error = self._finalize_error, None
+            raise error
 
     def _exit_barrier(self) -> None:
         """Meet every rank before tearing the engine down; a rank that does not come is reported, not awaited."""
@@ -286,6 +348,11 @@ class Communicator(ABC):
         try:
             seq = self._begin("finalize", None, "")
             self._barrier(seq).wait(timeout=limit)
+            if self._every:  # the calls since the last check must not end the job unchecked
+                vote = self._ledger.vote()
+                self._allreduce(vote, "max", seq).wait(timeout=limit)
+                if not agreement.Ledger.agreed(vote):  # raised by close(), once the engine is released
+                    self._finalize_error = agreement.mismatch_error(self, seq)
             # A late rank's barrier can match one that the others already gave up on:
             # only ranks that all met in time go on to free what they share.
             self._allreduce(torch.ones(1), "min", seq).wait(timeout=limit)
@@ -326,16 +393,34 @@ class Communicator(ABC):
                 "call hpdl.init() again for a new one"
             )
 
-    def _begin(self, op: str, tensor: Optional[torch.Tensor], detail: str, shape_tail_only: bool = False) -> int:
-        """Number the collective, publish progress for timeout reports, and in debug mode compare fingerprints."""
+    def _begin(
+        self,
+        op: str,
+        tensor: Optional[torch.Tensor],
+        detail: str,
+        shape_tail_only: bool = False,
+        extra: int = 0,
+        nbytes: Optional[int] = None,
+    ) -> int:
+        """Number the collective, publish progress for timeout reports, compare fingerprints in debug mode,
+        and fold the call into the agreement signature (checked every `check_every` calls)."""
         self._seq += 1
-        self._post(self._seq, op)
-        if self.debug:
+        seq = self._seq
+        self._post(seq, op)
+        if self._debug:
             shape = "" if tensor is None else str(tuple(tensor.shape[1:] if shape_tail_only else tensor.shape))
             dtype = "" if tensor is None else str(tensor.dtype).replace("torch.", "")
-            mine = fingerprint.Fingerprint(self.rank, self._seq, op, shape, dtype, detail, fingerprint.call_site())
+            mine = fingerprint.Fingerprint(self.rank, seq, op, shape, dtype, detail, fingerprint.call_site())
             fingerprint.verify(self, mine)
-        return self._seq
+        every = self._every
+        if every:
+            dtype = "" if tensor is None else agreement.dtype_name(tensor.dtype)
+            if nbytes is None:
+                nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+            self._ring[seq % every] = agreement.entry(agreement.code(op, dtype, detail), nbytes, extra)
+            if not seq % every:
+                agreement.check(self, seq)
+        return seq
 
     def _post(self, seq: int, op: str) -> None:
         post = self._board().post
@@ -425,6 +510,9 @@ class Communicator(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _pickle(obj: Any) -> torch.Tensor:

@@ -13,6 +13,7 @@ copy per buffer, about half a microsecond per tensor.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -69,6 +70,16 @@ class Plan:
     buckets: list[Bucket]
     numels: list[int]
     busy: bool = False
+    nbytes: int = 0
+    """Bytes of all the tensors together."""
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(bucket.flat.numel() * bucket.flat.element_size() for bucket in self.buckets)
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+_DTYPE = operator.attrgetter("dtype")
 
 
 class Packer:
@@ -81,12 +92,13 @@ class Packer:
         """A plan whose flat buffers hold the tensors' current values; `release` it after unpacking."""
         # A plan holds views of its tensors, so their memory cannot be reused by
         # others while it is remembered: equal addresses and sizes mean the same tensors.
-        key = (limit_bytes, *[(t.data_ptr(), t.dtype) for t in tensors])
+        key = (limit_bytes, *map(_DATA_PTR, tensors), *map(_DTYPE, tensors))  # C-level maps: ~0.1 us a tensor
         plan = self._plans.get(key)
-        if plan is not None and plan.numels != [t.numel() for t in tensors]:
+        numels = list(map(_NUMEL, tensors))
+        if plan is not None and plan.numels != numels:
             plan = None  # resized in place
         if plan is None or plan.busy:  # new tensors, or the same ones still in flight
-            plan = Plan(pack(tensors, limit_bytes), [t.numel() for t in tensors])
+            plan = Plan(pack(tensors, limit_bytes), numels)
             if key not in self._plans:
                 self._plans[key] = plan
                 if len(self._plans) > PLANS_KEPT:

@@ -19,12 +19,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from hpdl.comm import shm
+from hpdl.comm import agreement, shm
 from hpdl.comm.base import Communicator
 from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
 from hpdl.comm.work import Work, completed, poll_until
-from hpdl.errors import BackendUnavailableError, CommTimeoutError
+from hpdl.errors import BackendUnavailableError, CommError, CommTimeoutError
 
 try:
     from mpi4py import MPI
@@ -139,6 +139,8 @@ class WindowBoard(ProgressBoard):
         self._win = MPI.Win.Allocate(4096, 8, comm=comm)
         self._mine = np.frombuffer(self._win.tomemory(), dtype=np.int64)  # type: ignore[call-overload]
         self._mine[:] = 0
+        self.slots = memoryview(self._win.tomemory()).cast("B").cast("q")  # type: ignore[arg-type]
+        """The same two words as a memoryview: the fast paths store into it directly (a third of numpy's cost)."""
         self._win.Lock_all()
         # Lock_all may need answers from the other ranks, which only come while they
         # are inside MPI: keep everyone in a (bounded) barrier until all locks are held.
@@ -196,7 +198,185 @@ class MpiCommunicator(Communicator):
         self._shm_smallest = min(low for low, _ in self._shm_thresholds.values())
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
+        self._fast = FastTables()
+        self._fast_allreduce = self._fast.allreduce
+        self._fast_reduce_scatter = self._fast.reduce_scatter
+        self._fast_move = self._fast.move
+        self._fast_broadcast = self._fast.broadcast
+        self._iallreduce = mpi_comm.Iallreduce
+        self._iallgather = mpi_comm.Iallgather
+        self._ireduce_scatter = mpi_comm.Ireduce_scatter_block
+        self._ibcast = mpi_comm.Ibcast
+        self._isend = mpi_comm.Isend
+        self._irecv = mpi_comm.Irecv
+        self._slots = self._progress.slots
+        self._status = MPI.Status()
         self.shm_status = "not started (starts with the first collective above its size threshold)"
+
+    # ------------------------------------------------------------------ fast paths
+    # The common blocking call on an ordinary contiguous CPU tensor below the shared-memory
+    # thresholds, with debug and tracing off: the same checks, numbering, progress post and
+    # agreement signature as the general path (base.Communicator), with what can be cached
+    # cached per (dtype, op) and no Work object, closure or list built unless the engine is
+    # still busy after the first test. Anything else takes the general path.
+    def allreduce(self, tensor: Any, op: str = "sum", *, async_op: bool = False) -> Any:
+        if type(tensor) is _Tensor and self._plain and not async_op:
+            spec = self._fast_allreduce.get((tensor.dtype, op))
+            if spec is not None and tensor.is_cpu and tensor.is_contiguous():
+                nbytes = tensor.nbytes
+                if nbytes < self._shm_smallest:
+                    seq = self._seq = self._seq + 1
+                    slots = self._slots
+                    slots[0] = seq
+                    slots[1] = _ALLREDUCE
+                    every = self._every
+                    if every:
+                        self._ring[seq % every] = spec[2] | nbytes << 32 | 1 << 80  # agreement.entry
+                        if not seq % every:
+                            agreement.check(self, seq)
+                    memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
+                    request = self._iallreduce(_IN_PLACE, [memory, spec[0]], spec[1])
+                    if not request.Test():
+                        self._await(request, "allreduce", seq, tensor)
+                    if op == "avg":
+                        tensor.div_(self.size)
+                    return tensor
+        return super().allreduce(tensor, op, async_op=async_op)
+
+    def allgather(
+        self, tensor: Any, *, sizes: Any = None, out: Any = None, async_op: bool = False
+    ) -> Any:  # fmt: skip
+        if type(tensor) is _Tensor and type(out) is _Tensor and type(sizes) in _SEQUENCES and self._plain:
+            spec = self._fast_move.get(tensor.dtype)
+            shape = tensor.shape
+            size = self.size
+            if (
+                spec is not None and shape and not async_op and out.dtype == tensor.dtype and tensor.is_cpu
+                and out.is_cpu and tensor.is_contiguous() and out.is_contiguous() and len(sizes) == size
+                and sizes.count(shape[0]) == size and out.shape[0] == shape[0] * size
+                and out.shape[1:] == shape[1:] and (out.data_ptr() != tensor.data_ptr() or not out.numel())
+            ):  # fmt: skip
+                nbytes = tensor.nbytes
+                if nbytes * size < self._shm_smallest:
+                    seq = self._seq = self._seq + 1
+                    slots = self._slots
+                    slots[0] = seq
+                    slots[1] = _ALLGATHER
+                    every = self._every
+                    if every:
+                        row = nbytes // shape[0] if shape[0] else tensor.element_size() * math.prod(shape[1:])
+                        self._ring[seq % every] = spec[1] | row << 32 | (shape[0] * size + 1) << 80
+                        if not seq % every:
+                            agreement.check(self, seq)
+                    request = self._iallgather([_memory(tensor), spec[0]], [_memory(out), spec[0]])
+                    if not request.Test():
+                        self._await(request, "allgather", seq, (tensor, out))
+                    return out
+        return super().allgather(tensor, sizes=sizes, out=out, async_op=async_op)
+
+    def reduce_scatter(self, tensor: Any, op: str = "sum", *, out: Any = None, async_op: bool = False) -> Any:
+        if type(tensor) is _Tensor and self._plain and not async_op and (out is None or type(out) is _Tensor):
+            spec = self._fast_reduce_scatter.get((tensor.dtype, op))
+            shape = tensor.shape
+            size = self.size
+            if spec is not None and shape and not shape[0] % size and tensor.is_cpu and tensor.is_contiguous():
+                nbytes = tensor.nbytes
+                if out is None:
+                    out = torch.empty((shape[0] // size, *shape[1:]), dtype=tensor.dtype)
+                elif not (
+                    out.dtype == tensor.dtype and out.is_cpu and out.is_contiguous()
+                    and out.shape[0] * size == shape[0] and out.shape[1:] == shape[1:]
+                    and (out.data_ptr() != tensor.data_ptr() or not out.numel())
+                ):  # fmt: skip
+                    return super().reduce_scatter(tensor, op, out=out)  # which says what is wrong
+                if nbytes < self._shm_smallest:
+                    seq = self._seq = self._seq + 1
+                    slots = self._slots
+                    slots[0] = seq
+                    slots[1] = _REDUCE_SCATTER
+                    every = self._every
+                    if every:
+                        self._ring[seq % every] = spec[2] | nbytes << 32 | 1 << 80
+                        if not seq % every:
+                            agreement.check(self, seq)
+                    request = self._ireduce_scatter([_memory(tensor), spec[0]], [_memory(out), spec[0]], spec[1])
+                    if not request.Test():
+                        self._await(request, "reduce_scatter", seq, (tensor, out))
+                    if op == "avg":
+                        out.div_(size)
+                    return out
+        return super().reduce_scatter(tensor, op, out=out, async_op=async_op)
+
+    def broadcast(self, tensor: Any, root: int = 0, *, async_op: bool = False) -> Any:
+        if type(tensor) is _Tensor and self._plain and not async_op:
+            spec = self._fast_broadcast.get((tensor.dtype, root))
+            if spec is None and type(root) is int and 0 <= root < self.size:
+                spec = self._fast.add_broadcast(tensor.dtype, root)
+            if spec is not None and tensor.is_cpu and tensor.is_contiguous():
+                nbytes = tensor.nbytes
+                if nbytes < self._shm_smallest:
+                    seq = self._seq = self._seq + 1
+                    slots = self._slots
+                    slots[0] = seq
+                    slots[1] = _BROADCAST
+                    every = self._every
+                    if every:
+                        self._ring[seq % every] = spec[1] | nbytes << 32 | 1 << 80
+                        if not seq % every:
+                            agreement.check(self, seq)
+                    memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
+                    request = self._ibcast([memory, spec[0]], root)
+                    if not request.Test():
+                        self._await(request, "broadcast", seq, tensor)
+                    return tensor
+        return super().broadcast(tensor, root, async_op=async_op)
+
+    def send(self, tensor: Any, dst: int, *, tag: int = 0, async_op: bool = False) -> Any:
+        if type(tensor) is _Tensor and type(dst) is int and self._plain and not async_op:
+            spec = self._fast_move.get(tensor.dtype)
+            if (
+                spec is not None and 0 <= dst < self.size and dst != self.rank
+                and tensor.is_cpu and tensor.is_contiguous()
+            ):  # fmt: skip
+                memory = _BUFFERS.get((tensor.data_ptr(), tensor.nbytes)) or _memory(tensor)
+                request = self._isend([memory, spec[0]], dst, tag)
+                if not request.Test():
+                    self._await(request, f"send to {dst}", -1, tensor)
+                return tensor
+        return super().send(tensor, dst, tag=tag, async_op=async_op)
+
+    def recv(self, tensor: Any, src: int, *, tag: int = 0, async_op: bool = False) -> Any:
+        if type(tensor) is _Tensor and type(src) is int and self._plain and not async_op:
+            spec = self._fast_move.get(tensor.dtype)
+            if (
+                spec is not None and 0 <= src < self.size and src != self.rank
+                and tensor.is_cpu and tensor.is_contiguous()
+            ):  # fmt: skip
+                nbytes = tensor.nbytes
+                status = self._status
+                memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
+                request = self._irecv([memory, spec[0]], src, tag)
+                try:
+                    if not request.Test(status):
+                        self._await(request, f"recv from {src}", -1, tensor, status)
+                except MPI.Exception as exc:
+                    raise _recv_error(exc, src, tag, tensor) from None
+                if status.Get_count(_BYTE) != nbytes:
+                    raise _short_message(status.Get_count(_BYTE), src, tag, tensor)
+                return tensor
+        return super().recv(tensor, src, tag=tag, async_op=async_op)
+
+    def _await(self, request: Any, op: str, seq: int, keep: Any, status: Any = None) -> None:
+        """Spin on the engine a while (a transfer, not a straggler), then the bounded wait of a `Work`."""
+        test = request.Test if status is None else (lambda: request.Test(status))
+        for _ in range(_SPINS):
+            if test():
+                return
+        for _ in range(_YIELDS):  # the peer may be waiting for this core: let it run, as MPICH's own waits do
+            _yield()
+            if test():
+                return
+        Work(self, op, seq, test, keep=keep).wait()
 
     # Shared memory inside the node (see shm.py): started at the first large collective,
     # which every rank reaches with the same size, so the collective set-up is reached together.
@@ -379,7 +559,20 @@ class MpiCommunicator(Communicator):
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work:
         host = self._host(t)
         request = self.mpi_comm.Irecv(_buffer(host, _move_type(t, "recv")), source=src, tag=tag)
-        return self._work(f"recv from {src}", -1, request, lambda: _copy_back(t, host))
+        status = MPI.Status()
+
+        def test() -> bool:
+            try:
+                return bool(request.Test(status))
+            except MPI.Exception as exc:
+                raise _recv_error(exc, src, tag, t) from None
+
+        def finish() -> torch.Tensor:
+            if status.Get_count(MPI.BYTE) != t.numel() * t.element_size():
+                raise _short_message(status.Get_count(MPI.BYTE), src, tag, t)
+            return _copy_back(t, host)
+
+        return Work(self, f"recv from {src}", -1, test, finish, keep=host)
 
     def _split(self, color: Optional[int], key: int, seq: int) -> Optional[Communicator]:
         # Agree on the split with a bounded collective first, so that a missing rank
@@ -388,7 +581,9 @@ class MpiCommunicator(Communicator):
         child = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
         if child == MPI.COMM_NULL:
             return None
-        return MpiCommunicator(child, timeout=self.timeout, debug=self.debug)
+        made = MpiCommunicator(child, timeout=self.timeout, debug=self.debug)
+        made.check_every = self.check_every
+        return made
 
     def _close(self) -> None:
         # Freeing the window waits for every rank: meet at a bounded barrier first,
@@ -404,6 +599,65 @@ class MpiCommunicator(Communicator):
         self._progress.close()
         if self.mpi_comm != MPI.COMM_WORLD:
             self.mpi_comm.Free()
+
+
+_Tensor = torch.Tensor
+_IN_PLACE = MPI.IN_PLACE
+_BYTE = MPI.BYTE
+_SEQUENCES = (list, tuple)
+_SPINS = 64
+"""Tests at full speed before a fast-path call starts yielding the core between tests."""
+_YIELDS = 4096
+"""Yielding tests before it falls back to the bounded wait of a `Work` (a few milliseconds)."""
+_yield = getattr(os, "sched_yield", lambda: None)
+_ALLREDUCE, _ALLGATHER, _REDUCE_SCATTER, _BROADCAST = (
+    OP_CODES[name] for name in ("allreduce", "allgather", "reduce_scatter", "broadcast")
+)
+
+
+class FastTables:
+    """What the fast paths look up per call: MPI datatype, MPI op and agreement code per (dtype, op)."""
+
+    def __init__(self) -> None:
+        self.allreduce: dict[tuple[torch.dtype, str], tuple[Any, Any, int]] = {}
+        self.reduce_scatter: dict[tuple[torch.dtype, str], tuple[Any, Any, int]] = {}
+        self.move: dict[torch.dtype, tuple[Any, int]] = {}
+        self.broadcast: dict[tuple[torch.dtype, Any], tuple[Any, int]] = {}
+        for dtype, mpi_type in _NATIVE.items():
+            name = agreement.dtype_name(dtype)
+            for op, mpi_op in _OPS.items():
+                if (op == "avg" and not (dtype.is_floating_point or dtype.is_complex)) or (
+                    dtype.is_complex and op in ("max", "min")
+                ):
+                    continue  # the general path raises the error that says why
+                detail = f"op={op}"
+                self.allreduce[dtype, op] = (mpi_type, mpi_op, agreement.code("allreduce", name, detail))
+                self.reduce_scatter[dtype, op] = (mpi_type, mpi_op, agreement.code("reduce_scatter", name, detail))
+        for dtype, mpi_type in _MOVE_TYPES.items():
+            self.move[dtype] = (mpi_type, agreement.code("allgather", agreement.dtype_name(dtype), ""))
+
+    def add_broadcast(self, dtype: torch.dtype, root: int) -> Optional[tuple[Any, int]]:
+        if dtype not in _MOVE_TYPES:
+            return None
+        spec = (_MOVE_TYPES[dtype], agreement.code("broadcast", agreement.dtype_name(dtype), f"root={root}"))
+        self.broadcast[dtype, root] = spec
+        return spec
+
+
+def _recv_error(exc: Exception, src: int, tag: int, t: torch.Tensor) -> CommError:
+    return CommError(
+        f"recv from {src} (tag {tag}) into {t.numel()} x {agreement.dtype_name(t.dtype)} "
+        f"({t.numel() * t.element_size()} B) failed in MPI: {exc}. A message longer than the receiving tensor "
+        "is truncated: the sender's tensor must have the receiver's shape and dtype."
+    )
+
+
+def _short_message(got: int, src: int, tag: int, t: torch.Tensor) -> CommError:
+    return CommError(
+        f"recv from {src} (tag {tag}): rank {src} sent {got} B, but this rank receives into {t.numel()} x "
+        f"{agreement.dtype_name(t.dtype)} ({t.numel() * t.element_size()} B); the rest of the tensor would hold "
+        "stale values. The sender's tensor must have the receiver's shape and dtype."
+    )
 
 
 def _output(out: Optional[torch.Tensor], engine_side: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -55,6 +55,7 @@ DEFAULT_THRESHOLDS = {
     "broadcast": (NEVER, NEVER),
 }
 
+_yield = getattr(os, "sched_yield", lambda: None)
 _OUTLIVING: list[Any] = []
 """Windows of shared buffers, kept until the process exits."""
 _FLAG_STRIDE = 8  # int64 per rank: one 64-byte cache line each, so flags never share a line
@@ -171,6 +172,8 @@ class NodeCollectives:
             if all(int(flag) >= mark for flag in flags):
                 break
             spins += 1
+            if spins % 16 == 0:
+                _yield()  # the rank this one waits for may need this core (more ranks than free cores)
             if spins % 256 == 0:
                 now = time.perf_counter()
                 if deadline == 0.0:

@@ -131,6 +131,42 @@ class TorchCommunicator(Communicator):
         blocks = t.chunk(self.size)
         return torch.cat([blocks[self._slot[i]] for i in range(self.size)])
 
+    # Fast paths: the common blocking call on a plain contiguous tensor with debug, tracing and the
+    # agreement check off (the default here) skips the general path's Work, closures and helpers;
+    # it numbers and posts the call like `_begin`, and a handle still busy after one test gets the
+    # same bounded wait. gloo itself checks sizes and dtypes.
+    def allreduce(self, tensor: Any, op: str = "sum", *, async_op: bool = False) -> Any:
+        if type(tensor) is torch.Tensor and self._plain and not async_op and not self._every:
+            reduce_op = _OPS.get(op)
+            dtype = tensor.dtype
+            if (
+                reduce_op is not None and tensor.is_contiguous()
+                and (op != "avg" or dtype.is_floating_point or dtype.is_complex)
+                and not (dtype.is_complex and op in ("max", "min"))
+            ):  # fmt: skip
+                seq = self._seq = self._seq + 1
+                self._progress.post(seq, "allreduce")
+                handle = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
+                if not handle.is_completed():
+                    self._work("allreduce", seq, handle, None).wait()
+                if op == "avg":
+                    tensor.div_(self.size)
+                return tensor
+        return super().allreduce(tensor, op, async_op=async_op)
+
+    def broadcast(self, tensor: Any, root: int = 0, *, async_op: bool = False) -> Any:
+        if (
+            type(tensor) is torch.Tensor and type(root) is int and 0 <= root < self.size and self._plain
+            and not async_op and not self._every and tensor.is_contiguous()
+        ):  # fmt: skip
+            seq = self._seq = self._seq + 1
+            self._progress.post(seq, "broadcast")
+            handle = dist.broadcast(tensor, src=self._global[root], group=self.group, async_op=True)
+            if not handle.is_completed():
+                self._work("broadcast", seq, handle, None).wait()
+            return tensor
+        return super().broadcast(tensor, root, async_op=async_op)
+
     def _work(self, op: str, seq: int, handle: Any, finish: Any) -> Work:
         def block(limit: float) -> bool:
             try:

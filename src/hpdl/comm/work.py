@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Generic, Optional, Protocol, TypeVar
 
@@ -35,6 +36,7 @@ _NOTHING = object()
 # transfer) backs off to sleeping between tests so as not to burn a core.
 SPIN_SECONDS = 1.0
 IDLE_SLEEP = 0.001
+_yield = getattr(os, "sched_yield", lambda: None)
 
 
 def poll_until(test: Callable[[], bool], deadline: float) -> bool:
@@ -53,6 +55,8 @@ def poll_until(test: Callable[[], bool], deadline: float) -> bool:
             return test()
         if now > spin_end:
             time.sleep(IDLE_SLEEP)
+        else:
+            _yield()  # a peer on the same core needs it to send what this rank waits for
 
 
 _ORPHANS: list[Any] = []

@@ -1,0 +1,99 @@
+"""With debug off, ranks that disagree on a collective's size, dtype or op get an error, not wrong values.
+
+The mpi backend's agreement check (comm/agreement.py) compares every rank's
+recent calls every `check_every` (16) collectives and at every barrier; a
+receive sees a short message at once. Each body makes one mismatched call
+and then keeps calling matched collectives, as a training loop would: the
+error must come within 16 calls, on every rank, naming the ranks and sizes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import RankError
+
+CALLS_AFTER = 16  # the default check period: the error comes at the latest this many calls later
+
+
+def mismatched(comm, kind):
+    assert not comm.debug and comm.check_every == CALLS_AFTER
+    last = comm.rank == comm.size - 1
+    if kind == "allreduce size":
+        comm.allreduce(torch.ones(1000 * (1 + last)))
+    elif kind == "allreduce dtype":
+        comm.allreduce(torch.ones(8, dtype=torch.int32 if last else torch.float32))
+    elif kind == "allreduce op":
+        comm.allreduce(torch.ones(8), op="max" if last else "sum")
+    elif kind == "allgather dtype":
+        comm.allgather(torch.ones(4, dtype=torch.int32 if last else torch.float32), sizes=[4] * comm.size)
+    elif kind == "allgather sizes":
+        n = 2 + last
+        comm.allgather(torch.ones(n), sizes=[n] * comm.size, out=torch.zeros(n * comm.size))
+    elif kind == "reduce_scatter op":
+        comm.reduce_scatter(torch.ones(2 * comm.size), op="min" if last else "sum")
+    elif kind == "broadcast dtype":  # (different sizes hang inside MPICH: a CommTimeoutError, not silent)
+        comm.broadcast(torch.ones(4, dtype=torch.int32 if last else torch.float32), root=0)
+    elif kind == "broadcast root":
+        comm.broadcast(torch.ones(4), root=int(last))
+    for _ in range(CALLS_AFTER):
+        comm.allreduce(torch.ones(1))
+    return "no error"
+
+
+def barrier_after_mismatch(comm):
+    comm.allreduce(torch.ones(3 + (comm.rank == 0)))
+    comm.barrier()  # a barrier is a check too
+    return "no error"
+
+
+def short_message(comm):
+    if comm.rank == 0:
+        comm.send(torch.ones(4), 1)
+    elif comm.rank == 1:
+        comm.recv(torch.zeros(8), 0)
+    return "no error"
+
+
+def still_healthy(comm):
+    return [comm.allreduce(torch.ones(2)).tolist() for _ in range(2 * CALLS_AFTER)][-1]
+
+
+CASES = {
+    "allreduce size": ("allreduce(float32, op=sum) on 4000 B", "allreduce(float32, op=sum) on 8000 B"),
+    "allreduce dtype": ("allreduce(float32", "allreduce(int32"),
+    "allreduce op": ("op=sum", "op=max"),
+    "allgather dtype": ("allgather(float32)", "allgather(int32)"),
+    "allgather sizes": ("4 rows in all", "6 rows in all"),
+    "reduce_scatter op": ("op=sum", "op=min"),
+    "broadcast dtype": ("broadcast(float32, root=0)", "broadcast(int32, root=0)"),
+    "broadcast root": ("root=0", "root=1"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_mismatch_is_an_error_within_the_check_period(ranks, kind):
+    results = ranks("mpi", 2).run(mismatched, kind, expect_errors=True)
+    for error in results:
+        assert isinstance(error, RankError) and error.type_name == "CollectiveMismatchError", error
+        assert all(word in error.message for word in CASES[kind]), error.message
+        assert re.search(r"\brank 0 called", error.message) and re.search(r"\brank 1 called", error.message)
+        assert "HPDL_DEBUG=1" in error.message
+
+
+def test_barrier_checks_and_the_ranks_keep_working(ranks):
+    pool = ranks("mpi", 2)
+    for error in pool.run(barrier_after_mismatch, expect_errors=True):
+        assert isinstance(error, RankError) and error.type_name == "CollectiveMismatchError", error
+        assert "on 16 B" in error.message and "on 12 B" in error.message
+    assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
+
+
+def test_short_message_is_an_error_on_the_receiver(ranks):
+    sent, received = ranks("mpi", 2).run(short_message, expect_errors=True)
+    assert sent == "no error"
+    assert isinstance(received, RankError) and received.type_name == "CommError", received
+    assert "sent 16 B" in received.message and "8 x float32 (32 B)" in received.message
