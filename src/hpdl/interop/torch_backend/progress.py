@@ -1,0 +1,170 @@
+"""Issue order on the caller's thread, completion on one progress thread.
+
+torch code (DDP's reducer above all) issues a collective and goes on
+computing; it expects the backend to finish the operation meanwhile and to
+complete the operation's future. MPI moves a message only while someone
+calls into it, so:
+
+- every operation is *started* on the thread that issues it, at once, under
+  one lock: hpdl posts its non-blocking MPI calls (or runs a shared-memory
+  collective) in exactly the order the program issued them;
+- one progress thread tests the operations in flight, runs their finishing
+  step (copy-backs) and completes their futures;
+- a Python `work.wait()` drives progress itself (the same loop), so a
+  blocking call pays no thread hand-off.
+
+Every operation keeps the deadline of its communicator's timeout: one that
+does not finish in time fails with hpdl's `CommTimeoutError`, naming the
+ranks that did not arrive.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from hpdl.comm.base import Communicator
+    from hpdl.comm.work import Work
+    from hpdl.interop.torch_backend.work import HpdlWork
+
+__all__ = ["Progress", "progress", "Started"]
+
+Started = tuple[list, Optional[Callable[[], Any]]]
+"""What starting an operation gives: hpdl handles in flight, and the step that turns them into the result."""
+
+SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_SPIN_US", "2000")) * 1e-6
+"""The progress thread tests without pausing for this long after an operation starts (latency)..."""
+POLL_SECONDS = float(os.environ.get("HPDL_TORCH_POLL_US", "50")) * 1e-6
+"""...and then pauses this long between tests, so that it leaves the core to the computation it overlaps."""
+
+
+class _Pending:
+    __slots__ = ("parts", "finish", "handle", "comm", "started", "deadline")
+
+    def __init__(self, parts: list, finish: Optional[Callable[[], Any]], handle: HpdlWork, comm: Communicator):
+        self.parts = parts
+        self.finish = finish
+        self.handle = handle
+        self.comm = comm
+        self.started = time.perf_counter()
+        self.deadline = self.started + comm.timeout
+
+    def test(self, now: float) -> tuple[bool, Any, Optional[BaseException]]:
+        """(finished, result, error): the parts are tested in order; past the deadline the first unfinished one fails."""
+        try:
+            for i, part in enumerate(self.parts):
+                if not part.is_completed():
+                    if now < self.deadline:
+                        del self.parts[:i]
+                        return False, None, None
+                    part.wait(timeout=0.0)  # raises hpdl's CommTimeoutError, naming the missing ranks
+            return True, (self.finish() if self.finish is not None else None), None
+        except BaseException as exc:  # every failure goes to the waiting side
+            return True, None, exc
+
+
+class Progress:
+    """Operations in flight for every hpdl process group of this process, and the thread that completes them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inflight: list[_Pending] = []
+        self._waiters = 0
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held while hpdl's communicators are used (start, test): one thread at a time talks to MPI."""
+        return self._cond
+
+    def submit(self, comm: Communicator, start: Callable[[], Started], handle: HpdlWork) -> HpdlWork:
+        """Start an operation now (errors in its arguments raise here) and complete `handle` when it finishes."""
+        with self._cond:
+            parts, finish = start()
+            pending = _Pending(parts, finish, handle, comm)
+            if not self._inflight:  # nothing earlier to finish first: small messages often complete here
+                done, result, error = pending.test(time.perf_counter())
+                if done:
+                    pending = None  # type: ignore[assignment]
+            if pending is not None:
+                self._inflight.append(pending)
+                self._ensure_thread()
+                self._cond.notify()
+        if pending is None:
+            handle._complete(result, error)
+        return handle
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (which uses a communicator) under the lock, between operations."""
+        with self._cond:
+            return fn()
+
+    def wait(self, handle: HpdlWork) -> None:
+        """Drive progress on this thread until `handle` is complete (bounded by the operation's deadline)."""
+        if handle._event.is_set():
+            return
+        with self._cond:
+            self._waiters += 1
+        try:
+            while not handle._event.is_set():
+                finished = self._poll()
+                self._deliver(finished)
+                if not finished and not handle._event.is_set() and not self._has(handle):
+                    handle._event.wait(POLL_SECONDS)  # another thread holds its result and is delivering it
+        finally:
+            with self._cond:
+                self._waiters -= 1
+
+    def poll(self) -> None:
+        """Test the operations in flight once (for `is_completed`)."""
+        self._deliver(self._poll())
+
+    def _has(self, handle: HpdlWork) -> bool:
+        with self._cond:
+            return any(p.handle is handle for p in self._inflight)
+
+    def _poll(self) -> list:
+        with self._cond:
+            if not self._inflight:
+                return []
+            now = time.perf_counter()
+            finished, remaining = [], []
+            for pending in self._inflight:
+                done, result, error = pending.test(now)
+                if done:
+                    finished.append((pending.handle, result, error))
+                else:
+                    remaining.append(pending)
+            self._inflight = remaining
+            return finished
+
+    @staticmethod
+    def _deliver(finished: list) -> None:
+        # Outside the lock: a future's callbacks (DDP comm hooks, PowerSGD) may issue the next operation.
+        for handle, result, error in finished:
+            handle._complete(result, error)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="hpdl-torch-progress", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inflight:
+                    self._cond.wait()
+                oldest = self._inflight[0].started
+                waited_on = self._waiters > 0
+            self._deliver(self._poll())
+            if waited_on or time.perf_counter() - oldest > SPIN_SECONDS:
+                time.sleep(POLL_SECONDS)
+            else:
+                time.sleep(0)  # let the issuing thread run; test again at once
+
+
+progress = Progress()
+"""The one instance: operations of every hpdl group complete in one place, in issue order per group."""
