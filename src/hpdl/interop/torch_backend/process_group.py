@@ -35,10 +35,25 @@ class HpdlProcessGroup(dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
         self.global_ranks = global_ranks
+        self._group_name = ""
+        self._group_desc = ""
 
     # identity -------------------------------------------------------------------------
     def getBackendName(self) -> str:
         return "hpdl"
+
+    # torch names every group (functional collectives find it by name); a backend-less Python group keeps it
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"<hpdl process group rank {self.comm.rank} of {self.comm.size} (global ranks {self.global_ranks})>"
