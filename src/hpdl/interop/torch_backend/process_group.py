@@ -59,8 +59,8 @@ class HpdlProcessGroup(dist.ProcessGroup):
         return f"<hpdl process group rank {self.comm.rank} of {self.comm.size} (global ranks {self.global_ranks})>"
 
     # collectives ------------------------------------------------------------------------
-    def _submit(self, start: Callable[[], Started], outputs: Any) -> HpdlWork:
-        return progress.submit(self.comm, start, HpdlWork(outputs))
+    def _submit(self, start: Callable[[], Started], outputs: Any, p2p: bool = False) -> HpdlWork:
+        return progress.submit(self.comm, start, HpdlWork(outputs), p2p)
 
     def allreduce(self, tensors: list, opts: Any = None) -> HpdlWork:
         opts = opts if opts is not None else dist.AllreduceOptions()
@@ -139,10 +139,10 @@ class HpdlProcessGroup(dist.ProcessGroup):
 
     # point-to-point -----------------------------------------------------------------------
     def send(self, tensors: list, dst: int, tag: int = 0) -> HpdlWork:
-        return self._submit(lambda: ops.send(self.comm, tensors, dst, tag), tensors)
+        return self._submit(lambda: ops.send(self.comm, tensors, dst, tag), tensors, p2p=True)
 
     def recv(self, tensors: list, src: int, tag: int = 0) -> HpdlWork:
-        return self._submit(lambda: ops.recv(self.comm, tensors, src, tag), tensors)
+        return self._submit(lambda: ops.recv(self.comm, tensors, src, tag), tensors, p2p=True)
 
     def recv_anysource(self, tensors: list, tag: int = 0) -> HpdlWork:
         raise RuntimeError(

@@ -42,9 +42,12 @@ POLL_SECONDS = float(os.environ.get("HPDL_TORCH_POLL_US", "50")) * 1e-6
 
 
 class _Pending:
-    __slots__ = ("parts", "finish", "handle", "comm", "started", "deadline")
+    __slots__ = ("parts", "finish", "handle", "comm", "started", "deadline", "p2p")
 
-    def __init__(self, parts: list, finish: Optional[Callable[[], Any]], handle: HpdlWork, comm: Communicator):
+    def __init__(
+        self, parts: list, finish: Optional[Callable[[], Any]], handle: HpdlWork, comm: Communicator, p2p: bool
+    ):
+        self.p2p = p2p
         self.parts = parts
         self.finish = finish
         self.handle = handle
@@ -74,17 +77,33 @@ class Progress:
         self._inflight: list[_Pending] = []
         self._waiters = 0
         self._thread: Optional[threading.Thread] = None
+        self._local = threading.local()
+        self._last_collective: Optional[HpdlWork] = None
 
     @property
     def lock(self) -> threading.Condition:
         """Held while hpdl's communicators are used (start, test): one thread at a time talks to MPI."""
         return self._cond
 
-    def submit(self, comm: Communicator, start: Callable[[], Started], handle: HpdlWork) -> HpdlWork:
-        """Start an operation now (errors in its arguments raise here) and complete `handle` when it finishes."""
+    def submit(self, comm: Communicator, start: Callable[[], Started], handle: HpdlWork, p2p: bool = False) -> HpdlWork:
+        """Start an operation now (errors in its arguments raise here) and complete `handle` when it finishes.
+
+        A collective starts only once the previous collective has completed *and* its future's callbacks
+        have run: a callback may issue collectives of its own (DDP comm hooks, PowerSGD), and they must
+        take the same place in the sequence on every rank. Overlap with computation is kept (the
+        operation still runs while the issuing thread computes); point-to-point operations are not held
+        back (both peers may send before they receive).
+        """
+        in_callback = getattr(self._local, "delivering", False)
+        if not p2p and not in_callback:
+            previous = self._last_collective
+            if previous is not None:
+                self.wait(previous)
         with self._cond:
             parts, finish = start()
-            pending = _Pending(parts, finish, handle, comm)
+            pending = _Pending(parts, finish, handle, comm, p2p)
+            if not p2p:
+                self._last_collective = handle
             if not self._inflight:  # nothing earlier to finish first: small messages often complete here
                 done, result, error = pending.test(time.perf_counter())
                 if done:
@@ -95,6 +114,10 @@ class Progress:
                 self._cond.notify()
         if pending is None:
             handle._complete(result, error)
+        elif in_callback:
+            # Issued from a future's callback: the callback may block on it in C++ (PowerSGD's hook does),
+            # where nobody could complete it, since this thread is the one that completes futures. Finish it here.
+            self.wait(handle)
         return handle
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -141,11 +164,17 @@ class Progress:
             self._inflight = remaining
             return finished
 
-    @staticmethod
-    def _deliver(finished: list) -> None:
+    def _deliver(self, finished: list) -> None:
         # Outside the lock: a future's callbacks (DDP comm hooks, PowerSGD) may issue the next operation.
-        for handle, result, error in finished:
-            handle._complete(result, error)
+        if not finished:
+            return
+        nested = getattr(self._local, "delivering", False)
+        self._local.delivering = True
+        try:
+            for handle, result, error in finished:
+                handle._complete(result, error)
+        finally:
+            self._local.delivering = nested
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():

@@ -67,11 +67,14 @@ class HpdlWork(dist._Work):
         self._error = error
         if result is not None:
             self._outputs = result
-        self._event.set()
-        if error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(error)
+        # The future's callbacks run first: whoever waits for this operation also waits for them.
+        try:
+            if error is None:
+                self._future.set_result(self._outputs)
+            else:
+                self._future.set_exception(error)
+        finally:
+            self._event.set()
 
 
 def done(outputs: Any) -> HpdlWork:
