@@ -7,13 +7,21 @@ the result is not exact (PowerSGD, mixed precision).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
 import torch_backend_training as training
+from hpdl.runtime.spawn import find_mpiexec
 from test_torch_backend import POOL_ENV
 
 TOL = 1e-10
+TESTS = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(TESTS, "scripts", "torch_ddp_job.py")
 
 
 @pytest.fixture(params=[2, 3], ids=["2-ranks", "3-ranks"])
@@ -80,3 +88,21 @@ def test_checkpoint_saved_sharded_loads_unsharded(ranks, tmp_path):
     pool = ranks("mpi", 2, POOL_ENV)
     for saved, loaded in pool.run(training.checkpoint_reshard, "hpdl", str(tmp_path / "ckpt"), timeout=120):
         _close(loaded, saved, 0)
+
+
+def test_plain_mpiexec_ddp_and_a_failing_rank_ends_the_job():
+    """Under plain mpiexec (no MASTER_ADDR): DDP equals one process, and a rank that raises ends the job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, env.get("PYTHONPATH", "")])
+    started = time.monotonic()
+    done = subprocess.run(
+        [find_mpiexec(), "-n", "3", sys.executable, "-u", JOB, "raise"],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    for rank in range(3):
+        line = next(x for x in output.splitlines() if x.startswith(f"rank {rank} of 3"))
+        assert float(line.rsplit(" ", 1)[1]) < TOL, line
+    assert "ValueError: the last rank fails on purpose" in output, output[-3000:]
+    assert time.monotonic() - started < 200

@@ -35,10 +35,18 @@ __all__ = ["Progress", "progress", "Started"]
 Started = tuple[list, Optional[Callable[[], Any]]]
 """What starting an operation gives: hpdl handles in flight, and the step that turns them into the result."""
 
-SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_SPIN_US", "2000")) * 1e-6
+SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_SPIN_US", "1000000")) * 1e-6
 """The progress thread tests without pausing for this long after an operation starts (latency)..."""
 POLL_SECONDS = float(os.environ.get("HPDL_TORCH_POLL_US", "50")) * 1e-6
 """...and then pauses this long between tests, so that it leaves the core to the computation it overlaps."""
+TICK_SECONDS = 1e-3
+"""An idle progress thread looks for new operations this often..."""
+DEEP_SLEEP_AFTER = 0.5
+"""...for this long; then it sleeps until an operation is issued."""
+GRACE_SECONDS = 200e-6
+"""The progress thread leaves a new operation alone this long: a blocking call completes it on its own thread."""
+IDLE_SECONDS = 1e-3
+"""The progress thread's pause while another thread drives progress in `wait()`."""
 
 
 class _Pending:
@@ -79,6 +87,7 @@ class Progress:
         self._thread: Optional[threading.Thread] = None
         self._local = threading.local()
         self._last_collective: Optional[HpdlWork] = None
+        self._deep_sleep = True
 
     @property
     def lock(self) -> threading.Condition:
@@ -111,7 +120,8 @@ class Progress:
             if pending is not None:
                 self._inflight.append(pending)
                 self._ensure_thread()
-                self._cond.notify()
+                if self._deep_sleep:
+                    self._cond.notify()
         if pending is None:
             handle._complete(result, error)
         elif in_callback:
@@ -184,15 +194,25 @@ class Progress:
     def _run(self) -> None:
         while True:
             with self._cond:
+                idle_since = time.perf_counter()
                 while not self._inflight:
-                    self._cond.wait()
-                oldest = self._inflight[0].started
-                waited_on = self._waiters > 0
+                    # Idle: look again every tick (so that issuing an operation needs no wake-up call),
+                    # and after a while sleep until `submit` wakes this thread.
+                    self._deep_sleep = time.perf_counter() - idle_since > DEEP_SLEEP_AFTER
+                    self._cond.wait(None if self._deep_sleep else TICK_SECONDS)
+                self._deep_sleep = False
+                oldest, newest = self._inflight[0].started, self._inflight[-1].started
+            now = time.perf_counter()
+            if self._waiters:
+                # A thread waits in wait() and drives progress itself: stay out of its way (every
+                # hand-off of the GIL or the lock between threads costs a scheduler wake-up).
+                time.sleep(IDLE_SECONDS)
+                continue
+            if now - newest < GRACE_SECONDS:  # give the issuing thread the chance to wait for it itself
+                time.sleep(GRACE_SECONDS)
+                continue
             self._deliver(self._poll())
-            if waited_on or time.perf_counter() - oldest > SPIN_SECONDS:
-                time.sleep(POLL_SECONDS)
-            else:
-                time.sleep(0)  # let the issuing thread run; test again at once
+            time.sleep(POLL_SECONDS if now - oldest > SPIN_SECONDS else 0)
 
 
 progress = Progress()
