@@ -26,7 +26,19 @@ class LaunchError(RuntimeError):
     """The job was not started in a way the hpdl backend can use."""
 
 
+MIN_TORCH = (2, 13)
+"""The oldest torch the backend was tested on (the pybind method names of Python process groups changed often)."""
+
+
 def create_process_group(backend_options: Any, pg_options: Any) -> Any:
+    import torch
+
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCH:
+        raise LaunchError(
+            f"the hpdl torch.distributed backend needs torch >= {'.'.join(map(str, MIN_TORCH))} (this is "
+            f"{torch.__version__}); upgrade torch, or use hpdl's own API (hpdl.init(), DataParallel) on this one"
+        )
     launch = detect()
     if launch.launcher == "torchrun" or launch.backend == "torch":
         raise LaunchError(
