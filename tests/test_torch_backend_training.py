@@ -15,7 +15,9 @@ import time
 import numpy as np
 import pytest
 
+import torch_backend_bodies as bodies
 import torch_backend_training as training
+from conftest import RankError
 from hpdl.runtime.spawn import find_mpiexec
 from test_torch_backend import POOL_ENV
 
@@ -106,3 +108,13 @@ def test_plain_mpiexec_ddp_and_a_failing_rank_ends_the_job():
         assert float(line.rsplit(" ", 1)[1]) < TOL, line
     assert "ValueError: the last rank fails on purpose" in output, output[-3000:]
     assert time.monotonic() - started < 200
+
+
+def test_skipped_collective_is_a_timeout_naming_the_rank(ranks):
+    # Last of all: a timeout leaves MPI operations pending, so the pool is not reused afterwards.
+    pool = ranks("mpi", 3, POOL_ENV)
+    results = pool.run(bodies.skipped_collective, 2.0, expect_errors=True, timeout=60)
+    assert results[-1] is None
+    for error in results[:-1]:
+        assert isinstance(error, RankError) and error.type_name == "CommTimeoutError", error
+        assert "Did not arrive: rank 2" in error.message, error.message

@@ -35,10 +35,10 @@ def _data(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
     return base.to(dtype)
 
 
-SIZES = (0, 1, 7, 4099)
+SIZES = (0, 7, 4099)
 LARGE = 300001
 """One large message (odd size) per collective family, float32 only."""
-DTYPES = (torch.float32, torch.float64, torch.int64)
+DTYPES = (torch.float32, torch.int64)  # float64 runs through every training test
 
 
 def collectives(comm: Any, name: str) -> dict:
@@ -127,8 +127,11 @@ def hpdl_only_reductions(comm: Any) -> dict:
         total = x.clone()
         dist.all_reduce(total, group=g)
         scattered = torch.empty(n, dtype=torch.float64)
-        dist.reduce_scatter_tensor(scattered, _data(dist.get_rank(), n * dist.get_world_size(), torch.float64),
-                                   op=dist.ReduceOp.PREMUL_SUM(0.5))
+        dist.reduce_scatter_tensor(
+            scattered,
+            _data(dist.get_rank(), n * dist.get_world_size(), torch.float64),
+            op=dist.ReduceOp.PREMUL_SUM(0.5),
+        )
         scattered_sum = torch.empty(n, dtype=torch.float64)
         dist.reduce_scatter_tensor(scattered_sum, _data(dist.get_rank(), n * dist.get_world_size(), torch.float64))
         out[n] = (avg.tolist(), premul.tolist(), total.tolist(), scattered.tolist(), scattered_sum.tolist())

@@ -39,6 +39,7 @@ __all__ = [
     "__version__",
 ]
 
+
 def _register_torch_backend() -> None:
     from hpdl.interop.register import register
 

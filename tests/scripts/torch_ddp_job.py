@@ -12,9 +12,8 @@ import numpy as np
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_backend_training as training  # noqa: E402
-
 import hpdl  # noqa: E402,F401  (registers "hpdl")
+import torch_backend_training as training  # noqa: E402
 
 dist.init_process_group("hpdl")
 params = training.ddp(None, "hpdl")

@@ -129,7 +129,7 @@ def measure_ddp(options: Options, world: Any, groups: dict) -> list[dict]:
     for name in ("mlp",) if options.quick else ("mlp", "cnn"):
         batch = 64 if name == "mlp" else 32
 
-        def fresh() -> Any:
+        def fresh(name: str = name) -> Any:
             torch.manual_seed(0)
             return build_model(name)
 
@@ -149,7 +149,8 @@ def measure_ddp(options: Options, world: Any, groups: dict) -> list[dict]:
             module = getattr(c.model, "module", c.model)
             diff = max(float((a.detach() - b).abs().max()) for a, b in zip(module.parameters(), reference))
             samples = [batch * world.size * options.steps / t for t in times[i]]
-            records.append({"part": "ddp", "model": name, "contender": c.name, "samples_per_s": report.summarize(samples),
+            stats = report.summarize(samples)
+            records.append({"part": "ddp", "model": name, "contender": c.name, "samples_per_s": stats,
                             "max_param_diff_vs_ddp_gloo": diff})  # fmt: skip
     return records
 
@@ -194,10 +195,11 @@ def measure_allreduce(options: Options, world: Any, groups: dict) -> list[dict]:
     for nbytes in sizes:
         n = max(1, nbytes // 4)
         tensors = {k: torch.ones(n) for k in ("hpdl backend", "direct Communicator", "gloo")}
+        own, direct, gloo = tensors["hpdl backend"], tensors["direct Communicator"], tensors["gloo"]
         calls = {
-            "hpdl backend": lambda: dist.all_reduce(tensors["hpdl backend"], group=groups["hpdl"]),
-            "direct Communicator": lambda: world.allreduce(tensors["direct Communicator"]),
-            "gloo": lambda: dist.all_reduce(tensors["gloo"], group=groups["gloo"]),
+            "hpdl backend": lambda t=own: dist.all_reduce(t, group=groups["hpdl"]),
+            "direct Communicator": lambda t=direct: world.allreduce(t),
+            "gloo": lambda t=gloo: dist.all_reduce(t, group=groups["gloo"]),
         }
         iters = max(2, min(200, int(2e7 // max(nbytes, 1 << 14))))
         if options.quick:
@@ -234,7 +236,7 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
     train = [r for r in records if r["part"] in ("ddp", "fsdp")]
     if train:
         rows = []
-        for (part, model) in dict.fromkeys((r["part"], r["model"]) for r in train):
+        for part, model in dict.fromkeys((r["part"], r["model"]) for r in train):
             mine = {r["contender"]: r for r in train if (r["part"], r["model"]) == (part, model)}
             med = {k: v["samples_per_s"]["median"] for k, v in mine.items()}
             for name, r in mine.items():
@@ -250,7 +252,9 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
                                "(target within 5%)")  # fmt: skip
             else:
                 ratio = med["fsdp2-hpdl"] / med["fsdp2-gloo"]
-                targets.append(f"{report.verdict(ratio >= 2.0)} {model}: FSDP2 on hpdl {ratio:.2f}x gloo (target >= 2x)")
+                targets.append(
+                    f"{report.verdict(ratio >= 2.0)} {model}: FSDP2 on hpdl {ratio:.2f}x gloo (target >= 2x)"
+                )
         headers = ["part", "model", "contender", "samples/s median [min-max]", "vs gloo", "max |param diff| vs gloo"]
         blocks.append(report.markdown_table(headers, rows, right_align_from=3))
     lat = [r for r in records if r["part"] == "allreduce"]
@@ -269,7 +273,9 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
         headers = ["size", "dist.all_reduce on hpdl (µs)", "direct Communicator (µs)", "gloo (µs)", "hpdl / direct",
                    "hpdl / gloo"]  # fmt: skip
         blocks.append(report.markdown_table(headers, rows))
-    header = f"{config['world_ranks']} ranks, {options.rounds} rounds, contenders alternating in a new order each round."
+    header = (
+        f"{config['world_ranks']} ranks, {options.rounds} rounds, contenders alternating in a new order each round."
+    )
     notes = ["samples/s = global batch x steps / sample time (slowest rank); latency = median [min-max] over rounds.",
              "ddp-hpdl and ddp-gloo run the same unmodified DDP code; only the process group differs."]  # fmt: skip
     text = report.markdown_document("hpdl bench torch", header, blocks, notes, targets)

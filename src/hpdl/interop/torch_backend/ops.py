@@ -22,7 +22,7 @@ __all__ = ["reduce_op"]
 ALLTOALL_TAG = 32767 - 11
 """Point-to-point tag of uneven all-to-all exchanges (MPI guarantees tags up to 32767)."""
 
-_RED = dist.ReduceOp.RedOpType
+_RED: Any = dist.ReduceOp.RedOpType  # its members are not in torch's stubs
 _HPDL_OPS = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.MAX: "max", _RED.MIN: "min", _RED.PRODUCT: "prod"}
 _BITWISE = {_RED.BAND: torch.bitwise_and, _RED.BOR: torch.bitwise_or, _RED.BXOR: torch.bitwise_xor}
 
@@ -37,7 +37,7 @@ class Reduction:
 
 
 def reduce_op(value: Any) -> Reduction:
-    kind = value.op if isinstance(value, dist.ReduceOp) else value
+    kind = getattr(value, "op", value)  # a ReduceOp (its type in .op) or a RedOpType
     if kind in _HPDL_OPS:
         return Reduction(_HPDL_OPS[kind])
     if kind == _RED.PREMUL_SUM:
@@ -196,7 +196,9 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def all_gather_single(comm: Communicator, output: torch.Tensor, input: torch.Tensor, opts: Any) -> tuple[list, Callable]:
+def all_gather_single(
+    comm: Communicator, output: torch.Tensor, input: torch.Tensor, opts: Any
+) -> tuple[list, Callable]:
     n = input.numel()
     if output.numel() != n * comm.size:
         raise ValueError(

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="override,assignment"
+# (torch's stubs type ProcessGroup's methods as the overloads of its Python API; the trampoline calls these.)
 """`HpdlProcessGroup`: a `torch.distributed.ProcessGroup` whose collectives run on an hpdl `Communicator`.
 
 torch 2.13 replaces its own process group by any `ProcessGroup` subclass a
@@ -32,7 +34,7 @@ class HpdlProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, comm: Communicator, global_ranks: list[int]):
-        super().__init__(comm.rank, comm.size)
+        super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload
         self.comm = comm
         self.global_ranks = global_ranks
         self._group_name = ""

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from hpdl.comm.base import Communicator
-    from hpdl.comm.work import Work
     from hpdl.interop.torch_backend.work import HpdlWork
 
 __all__ = ["Progress", "progress", "Started"]
@@ -64,7 +63,7 @@ class _Pending:
         self.deadline = self.started + comm.timeout
 
     def test(self, now: float) -> tuple[bool, Any, Optional[BaseException]]:
-        """(finished, result, error): the parts are tested in order; past the deadline the first unfinished one fails."""
+        """(finished, result, error): parts are tested in order; past the deadline the first unfinished one fails."""
         try:
             for i, part in enumerate(self.parts):
                 if not part.is_completed():
