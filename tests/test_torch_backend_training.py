@@ -110,6 +110,20 @@ def test_plain_mpiexec_ddp_and_a_failing_rank_ends_the_job():
     assert time.monotonic() - started < 200
 
 
+def test_accelerate_loop_equals_one_process(ranks, reference):
+    pool = ranks("mpi", 2, POOL_ENV)
+    for backend, params in pool.run(training.accelerate_loop, timeout=120):
+        assert backend == "hpdl"
+        _close(params, reference)
+
+
+def test_lightning_fit_equals_one_process(ranks, reference):
+    pool = ranks("mpi", 2, POOL_ENV)
+    for backend, params in pool.run(training.lightning_fit, timeout=180):
+        assert backend == "hpdl"
+        _close(params, reference)
+
+
 def test_skipped_collective_is_a_timeout_naming_the_rank(ranks):
     # Last of all: a timeout leaves MPI operations pending, so the pool is not reused afterwards.
     pool = ranks("mpi", 3, POOL_ENV)

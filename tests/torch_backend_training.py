@@ -156,3 +156,60 @@ def checkpoint_reshard(comm: Any, name: str, path: str) -> tuple:
     dcp.load(state, checkpoint_id=path, process_group=g)
     fresh.load_state_dict(state["model"])
     return [p.tolist() for p in saved], [p.detach().tolist() for p in fresh.parameters()]
+
+
+def accelerate_loop(comm: Any) -> tuple:
+    """Hugging Face Accelerate on a group that already exists (it keeps it: its CPU choice would be gloo)."""
+    from accelerate import Accelerator
+
+    groups()
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    wrapped, opt = accelerator.prepare(model, opt)
+    x, y = _shard(dist.group.WORLD)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        accelerator.backward(nn.functional.mse_loss(wrapped(x), y))
+        opt.step()
+    return dist.get_backend(), [p.detach().tolist() for p in accelerator.unwrap_model(wrapped).parameters()]
+
+
+def lightning_fit(comm: Any) -> tuple:
+    """PyTorch Lightning: DDPStrategy(process_group_backend="hpdl") with its MPI cluster environment."""
+    import pytorch_lightning as pl
+    from lightning_fabric.plugins.environments import MPIEnvironment
+    from pytorch_lightning.strategies import DDPStrategy
+
+    groups()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    x, y = data()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=BATCH // dist.get_world_size()
+    )
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=DDPStrategy(process_group_backend="hpdl", cluster_environment=MPIEnvironment()),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir="/tmp",
+    )
+    trainer.fit(module, loader)
+    return dist.get_backend(), [p.detach().tolist() for p in module.net.parameters()]
