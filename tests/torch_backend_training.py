@@ -195,14 +195,15 @@ def lightning_fit(comm: Any) -> tuple:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
+    from mpi4py import MPI
+
+    size = MPI.COMM_WORLD.Get_size()  # the group may not exist yet: then Lightning creates it
     x, y = data()
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=BATCH // dist.get_world_size()
-    )
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH // size)
     module = Module()
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=size,
         strategy=DDPStrategy(process_group_backend="hpdl", cluster_environment=MPIEnvironment()),
         max_steps=STEPS,
         logger=False,

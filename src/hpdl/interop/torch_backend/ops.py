@@ -36,10 +36,14 @@ class Reduction:
         self.op, self.factor, self.bitwise = op, factor, bitwise
 
 
+_PLAIN = {kind: Reduction(op) for kind, op in _HPDL_OPS.items()}
+
+
 def reduce_op(value: Any) -> Reduction:
     kind = getattr(value, "op", value)  # a ReduceOp (its type in .op) or a RedOpType
-    if kind in _HPDL_OPS:
-        return Reduction(_HPDL_OPS[kind])
+    plain = _PLAIN.get(kind)
+    if plain is not None:
+        return plain
     if kind == _RED.PREMUL_SUM:
         factor = value.factor
         return Reduction("sum", float(factor.item() if isinstance(factor, torch.Tensor) else factor))

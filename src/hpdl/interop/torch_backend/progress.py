@@ -136,16 +136,16 @@ class Progress:
 
     def wait(self, handle: HpdlWork) -> None:
         """Drive progress on this thread until `handle` is complete (bounded by the operation's deadline)."""
-        if handle._event.is_set():
+        if handle._done:
             return
         with self._cond:
             self._waiters += 1
         try:
-            while not handle._event.is_set():
+            while not handle._done:
                 finished = self._poll()
                 self._deliver(finished)
-                if not finished and not handle._event.is_set() and not self._has(handle):
-                    handle._event.wait(POLL_SECONDS)  # another thread holds its result and is delivering it
+                if not finished and not handle._done and not self._has(handle):
+                    time.sleep(POLL_SECONDS)  # another thread holds its result and is delivering it
         finally:
             with self._cond:
                 self._waiters -= 1

@@ -8,6 +8,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hpdl.interop.torch_backend.progress import progress
+
 __all__ = ["HpdlWork"]
 
 
@@ -23,28 +25,26 @@ class HpdlWork(dist._Work):
 
     def __init__(self, outputs: Any = None) -> None:
         super().__init__()
-        from hpdl.interop.torch_backend.progress import progress
-
-        self._progress = progress
-        self._event = threading.Event()
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._done = False
+        self._resolved = False
+        self._future: Optional[torch.futures.Future] = None  # made on first use: most calls never ask for it
         self._outputs = outputs
         self._error: Optional[BaseException] = None
 
     # torch.distributed's Work API ---------------------------------------------------
     def wait(self, timeout: Any = None) -> bool:
-        self._progress.wait(self)
+        progress.wait(self)
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
-        if not self._event.is_set():
-            self._progress.poll()
-        return self._event.is_set()
+        if not self._done:
+            progress.poll()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
+        return self._done and self._error is None
 
     def exception(self) -> Optional[BaseException]:
         return self._error
@@ -54,7 +54,12 @@ class HpdlWork(dist._Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        with _FUTURES:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._resolved:  # finished before anyone asked: no callbacks yet, resolve it here
+                    self._resolve(self._future)
+            return self._future
 
     def synchronize(self) -> None:
         self.wait()
@@ -67,14 +72,25 @@ class HpdlWork(dist._Work):
         self._error = error
         if result is not None:
             self._outputs = result
-        # The future's callbacks run first: whoever waits for this operation also waits for them.
+        with _FUTURES:
+            future = self._future
+            self._resolved = True
         try:
-            if error is None:
-                self._future.set_result(self._outputs)
-            else:
-                self._future.set_exception(error)
+            # The future's callbacks run first: whoever waits for this operation also waits for them.
+            if future is not None:
+                self._resolve(future)
         finally:
-            self._event.set()
+            self._done = True
+
+    def _resolve(self, future: torch.futures.Future) -> None:
+        if self._error is None:
+            future.set_result(self._outputs)
+        else:
+            future.set_exception(self._error)
+
+
+_FUTURES = threading.Lock()
+"""Guards the lazy creation of a work's future against its completion on another thread."""
 
 
 def done(outputs: Any) -> HpdlWork:
