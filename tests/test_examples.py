@@ -37,3 +37,9 @@ def test_lab_runs_and_checks_its_claims():
     assert output.count("(equal to the mean of the local ones: True)") == 2, output
     assert output.count("(same: True)") == 2, output
     assert "False" not in output, output
+
+
+def test_torch_backend_lab_runs_ddp_on_gloo_and_hpdl_with_equal_parameters():
+    output = launch("lab_torch_backend.py", "--steps", "10")
+    assert output.count("(same: True)") == 2, output
+    assert output.count("DDP on hpdl:") == 2 and output.count("DDP on gloo:") == 2, output

@@ -20,6 +20,9 @@ def test_gpu_check_dry_run_on_cpu(capsys):
     for op in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "training step"):
         assert results[("torch", op)].startswith("PASS"), results
     assert results[("mpi", "training step")].startswith("PASS plain")
+    for check in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"):
+        assert results[("mpi", f"backend {check}")].startswith("PASS cpu"), results
+    assert results[("mpi", "backend DDP step")].startswith("PASS"), results
 
 
 def test_gpu_check_refuses_cuda_without_a_gpu_or_passes_with_one():

@@ -39,6 +39,15 @@ __all__ = [
     "__version__",
 ]
 
+
+def _register_torch_backend() -> None:
+    from hpdl.interop.register import register
+
+    register()
+
+
+_register_torch_backend()
+
 _SUBPACKAGES = ("checkpoint", "parallel", "ml", "train", "plan")
 """Imported on first attribute access (`hpdl.checkpoint.save`), so `import hpdl` stays light."""
 

@@ -6,7 +6,9 @@ Prints one table (see ../shared/GPU.md):
   CUDA-aware or the staged path) and over the `torch` backend (NCCL on one
   rank), each checked against the same collective on CPU tensors;
 - one training step of the demo model on the GPU with and without
-  DataParallel (the wrapper's overhead).
+  DataParallel (the wrapper's overhead);
+- the "hpdl" torch.distributed backend on CUDA tensors (2 ranks): its
+  collectives against CPU tensors, and one DDP step.
 
 `--device cpu` runs the same checks on the CPU, which is how CI keeps this
 script working on machines without a GPU. One GPU cannot show multi-GPU
@@ -150,6 +152,49 @@ def training_step(comm: Any, device: Any) -> list[tuple[str, str, str]]:
     return [("training step", "PASS" if agree else "FAIL", detail)]
 
 
+def torch_backend(device: Any) -> list[tuple[str, str, str]]:
+    """The "hpdl" torch.distributed backend on `device` tensors: collectives against CPU tensors, and a DDP step."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hpdl.train.demo import build_model
+
+    results = []
+    if not dist.is_initialized():
+        dist.init_process_group("hpdl")
+    k, r = dist.get_world_size(), dist.get_rank()
+    calls = {
+        "all_reduce": lambda x: (dist.all_reduce(x), x)[1],
+        "all_gather_into_tensor": lambda x: (dist.all_gather_into_tensor(out := x.new_empty(k * x.numel()), x), out)[1],
+        "reduce_scatter_tensor": lambda x: (dist.reduce_scatter_tensor(out := x.new_empty(x.numel() // k), x), out)[1],
+        "broadcast": lambda x: (dist.broadcast(x, src=k - 1), x)[1],
+        "all_to_all_single": lambda x: (dist.all_to_all_single(out := torch.empty_like(x), x), out)[1],
+    }
+    for name, call in calls.items():
+        try:
+            cpu, dev = (call(torch.arange(k * 256, dtype=torch.float32, device=w) + r) for w in ("cpu", device))
+            same = dev.device.type == device.type and torch.equal(dev.cpu(), cpu)
+            results.append((f"backend {name}", "PASS" if same else "FAIL", str(dev.device)))
+        except Exception as exc:
+            results.append((f"backend {name}", "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
+    try:
+        torch.manual_seed(0)
+        plain = build_model().to(device)
+        torch.manual_seed(0)
+        model = DDP(build_model().to(device))
+        x, y = torch.randn(64, 1, 8, 8, device=device), torch.randint(0, 10, (64,), device=device)
+        F.cross_entropy(model(x), y).backward()  # every rank the same batch: DDP's mean is the local gradient
+        F.cross_entropy(plain(x), y).backward()
+        diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), plain.parameters()))
+        results.append(("backend DDP step", "PASS" if diff < 1e-5 else "FAIL", f"{device}, grad diff {diff:.1e}"))
+    except Exception as exc:
+        results.append(("backend DDP step", "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
+    dist.destroy_process_group()
+    return results
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     options = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if not options.worker:
@@ -165,6 +210,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = collectives(comm, device)
     if comm.size == 1 or options.worker == "mpi":
         results += training_step(comm, device)
+    if options.worker == "mpi":
+        results += torch_backend(device)
     if comm.rank == 0:
         with open(options.out, "w") as handle:
             json.dump(results, handle)

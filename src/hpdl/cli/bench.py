@@ -13,6 +13,7 @@ KINDS = {
     "ml": "hpdl.bench.ml",
     "dask": "hpdl.bench.dask_transport",
     "gpu": "hpdl.bench.gpu_check",
+    "torch": "hpdl.bench.torch_backend",
 }
 
 

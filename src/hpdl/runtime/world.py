@@ -218,6 +218,9 @@ def _install_abort_hook() -> None:
     previous = sys.excepthook
 
     def abort_job(kind: Any, error: BaseException, tb: Any) -> None:
+        # torch.distributed's own excepthook (installed by init_process_group, around this one) buffers
+        # stderr until its hook returns, and this one never returns: write to the real stderr.
+        sys.stderr = sys.__stderr__ or sys.stderr
         comm = _current
         rank = comm.rank if comm is not None else "?"
         if (

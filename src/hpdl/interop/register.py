@@ -1,0 +1,70 @@
+"""Register the "hpdl" backend with torch.distributed, cheaply (this runs on every `import hpdl`).
+
+Two things happen here, and nothing heavy is imported:
+- `Backend.register_backend("hpdl", ...)` with the extended API, so that
+  `init_process_group("hpdl")` and `new_group(backend="hpdl")` reach
+  `create_process_group` (imported on first use);
+- the `env://` rendezvous learns to work under an MPI launcher without
+  MASTER_ADDR/MASTER_PORT: rank 0 opens a TCPStore on a free port and
+  broadcasts its address over MPI. torchrun-style variables, when present,
+  are used exactly as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+__all__ = ["BACKEND_NAME", "register"]
+
+BACKEND_NAME = "hpdl"
+_registered = False
+
+
+def register() -> None:
+    """Make "hpdl" a torch.distributed backend (idempotent; a no-op without torch.distributed)."""
+    global _registered
+    if _registered:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    import importlib
+
+    # `torch.distributed.rendezvous` the attribute is a function; the module holds the handlers.
+    rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
+
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    original = rendezvous_module._rendezvous_handlers.get("env")
+    if original is not None and not getattr(original, "_hpdl", False):
+        rendezvous_module._rendezvous_handlers["env"] = _env_or_mpi(original)
+    _registered = True
+
+
+def _create(backend_options: Any, pg_options: Any) -> Any:
+    from hpdl.interop.torch_backend.factory import create_process_group
+
+    return create_process_group(backend_options, pg_options)
+
+
+def _env_or_mpi(original: Any) -> Any:
+    def handler(url: str, **kwargs: Any) -> Iterator[Any]:
+        if _needs_mpi_rendezvous():
+            from hpdl.interop.torch_backend.rendezvous import mpi_rendezvous
+
+            return mpi_rendezvous(url, kwargs.get("timeout"))
+        return original(url, **kwargs)
+
+    handler._hpdl = True  # type: ignore[attr-defined]
+    return handler
+
+
+def _needs_mpi_rendezvous() -> bool:
+    """Under an MPI launcher (or `hpdl launch`) with no MASTER_ADDR/MASTER_PORT: agree on a store over MPI."""
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return False
+    from hpdl.runtime.environment import detect
+
+    launch = detect()
+    return launch.backend == "mpi" and launch.launcher != "torchrun"

@@ -1,0 +1,170 @@
+# mypy: disable-error-code="override,assignment"
+# (torch's stubs type ProcessGroup's methods as the overloads of its Python API; the trampoline calls these.)
+"""`HpdlProcessGroup`: a `torch.distributed.ProcessGroup` whose collectives run on an hpdl `Communicator`.
+
+torch 2.13 replaces its own process group by any `ProcessGroup` subclass a
+registered backend returns, and its C++ side (DDP's reducer, functional
+collectives, DTensor) reaches these Python methods through the pybind
+trampoline; `torch.distributed`'s Python functions call them directly. Each
+method starts the operation at once on the group's communicator and
+returns an `HpdlWork` (see progress.py for who completes it).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hpdl.comm.base import Communicator
+from hpdl.interop.torch_backend import ops
+from hpdl.interop.torch_backend.progress import Started, progress
+from hpdl.interop.torch_backend.work import HpdlWork
+
+__all__ = ["HpdlProcessGroup"]
+
+
+class HpdlProcessGroup(dist.ProcessGroup):
+    """A torch process group over `comm` (an hpdl MPI communicator of exactly this group's ranks).
+
+    `comm` is public: attach a tracer (`group.comm.tracer = Tracer()`) or
+    change the timeout there.
+    """
+
+    def __init__(self, comm: Communicator, global_ranks: list[int]):
+        super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload
+        self.comm = comm
+        self.global_ranks = global_ranks
+        self._group_name = ""
+        self._group_desc = ""
+
+    # identity -------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "hpdl"
+
+    # torch names every group (functional collectives find it by name); a backend-less Python group keeps it
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"<hpdl process group rank {self.comm.rank} of {self.comm.size} (global ranks {self.global_ranks})>"
+
+    # collectives ------------------------------------------------------------------------
+    def _submit(self, start: Callable[[], Started], outputs: Any, p2p: bool = False) -> HpdlWork:
+        return progress.submit(self.comm, start, HpdlWork(outputs), p2p)
+
+    def allreduce(self, tensors: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._submit(lambda: ops.allreduce(self.comm, tensors, opts), tensors)
+
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._submit(lambda: ops.allreduce_coalesced(self.comm, tensors, opts), tensors)
+
+    def reduce(self, tensors: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        return self._submit(lambda: ops.reduce(self.comm, tensors, opts), tensors)
+
+    def broadcast(self, tensors: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._submit(lambda: ops.broadcast(self.comm, tensors, opts), tensors)
+
+    def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> HpdlWork:
+        return self._submit(lambda: ops.allgather(self.comm, output_lists, inputs, opts), output_lists)
+
+    def allgather_coalesced(self, output_lists: list, inputs: list, opts: Any = None) -> HpdlWork:
+        return self._submit(lambda: ops.allgather_coalesced(self.comm, output_lists, inputs, opts), output_lists)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> HpdlWork:
+        return self._submit(lambda: ops.all_gather_single(self.comm, output, input, opts), [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> HpdlWork:
+        return self._submit(lambda: ops.all_gather_single_coalesced(self.comm, outputs, inputs, opts), outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outputs: list, input_lists: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._submit(lambda: ops.reduce_scatter(self.comm, outputs, input_lists, opts), outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._submit(lambda: ops.reduce_scatter_single(self.comm, output, input, opts), [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._submit(lambda: ops.reduce_scatter_single_coalesced(self.comm, outputs, inputs, opts), outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def gather(self, output_lists: list, inputs: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.GatherOptions()
+        return self._submit(lambda: ops.gather(self.comm, output_lists, inputs, opts), output_lists)
+
+    def scatter(self, outputs: list, input_lists: list, opts: Any = None) -> HpdlWork:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        return self._submit(lambda: ops.scatter(self.comm, outputs, input_lists, opts), outputs)
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list, input_splits: list, opts: Any = None
+    ) -> HpdlWork:
+        return self._submit(
+            lambda: ops.all_to_all_single(self.comm, output, input, output_splits, input_splits, opts), [output]
+        )
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> HpdlWork:
+        return self._submit(lambda: ops.alltoall(self.comm, outputs, inputs, opts), outputs)
+
+    def barrier(self, opts: Any = None) -> HpdlWork:
+        return self._submit(lambda: ops.barrier(self.comm, opts), [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """A barrier whose timeout names the ranks that did not arrive (like every hpdl wait)."""
+        self.barrier().wait()
+
+    # point-to-point -----------------------------------------------------------------------
+    def send(self, tensors: list, dst: int, tag: int = 0) -> HpdlWork:
+        return self._submit(lambda: ops.send(self.comm, tensors, dst, tag), tensors, p2p=True)
+
+    def recv(self, tensors: list, src: int, tag: int = 0) -> HpdlWork:
+        return self._submit(lambda: ops.recv(self.comm, tensors, src, tag), tensors, p2p=True)
+
+    def recv_anysource(self, tensors: list, tag: int = 0) -> HpdlWork:
+        raise RuntimeError(
+            "the hpdl backend does not receive from any source (every hpdl wait names the peer it waits for): "
+            "pass src= to recv/irecv"
+        )
+
+    # life cycle ------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Free the group's communicator (destroy_process_group calls this on every member)."""
+        progress.call(self.comm.close)
+
+    def abort(self) -> None:
+        self.comm._broken = True
+
+
+def _guard_from_compile() -> None:
+    """Keep torch.compile (dynamo) out of the backend's methods when dynamo is loaded; it is too heavy to load here."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    for name, value in list(vars(HpdlProcessGroup).items()):
+        if callable(value) and not name.startswith("__") and not getattr(value, "_torchdynamo_disable", False):
+            setattr(HpdlProcessGroup, name, torch.compiler.disable(value))

@@ -1,0 +1,218 @@
+"""Issue order on the caller's thread, completion on one progress thread.
+
+torch code (DDP's reducer above all) issues a collective and goes on
+computing; it expects the backend to finish the operation meanwhile and to
+complete the operation's future. MPI moves a message only while someone
+calls into it, so:
+
+- every operation is *started* on the thread that issues it, at once, under
+  one lock: hpdl posts its non-blocking MPI calls (or runs a shared-memory
+  collective) in exactly the order the program issued them;
+- one progress thread tests the operations in flight, runs their finishing
+  step (copy-backs) and completes their futures;
+- a Python `work.wait()` drives progress itself (the same loop), so a
+  blocking call pays no thread hand-off.
+
+Every operation keeps the deadline of its communicator's timeout: one that
+does not finish in time fails with hpdl's `CommTimeoutError`, naming the
+ranks that did not arrive.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from hpdl.comm.base import Communicator
+    from hpdl.interop.torch_backend.work import HpdlWork
+
+__all__ = ["Progress", "progress", "Started"]
+
+Started = tuple[list, Optional[Callable[[], Any]]]
+"""What starting an operation gives: hpdl handles in flight, and the step that turns them into the result."""
+
+SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_SPIN_US", "1000000")) * 1e-6
+"""The progress thread tests without pausing for this long after an operation starts (latency)..."""
+POLL_SECONDS = float(os.environ.get("HPDL_TORCH_POLL_US", "50")) * 1e-6
+"""...and then pauses this long between tests, so that it leaves the core to the computation it overlaps."""
+TICK_SECONDS = 1e-3
+"""An idle progress thread looks for new operations this often..."""
+DEEP_SLEEP_AFTER = 0.5
+"""...for this long; then it sleeps until an operation is issued."""
+GRACE_SECONDS = 200e-6
+"""The progress thread leaves a new operation alone this long: a blocking call completes it on its own thread."""
+IDLE_SECONDS = 1e-3
+"""The progress thread's pause while another thread drives progress in `wait()`."""
+
+
+class _Pending:
+    __slots__ = ("parts", "finish", "handle", "comm", "started", "deadline", "p2p")
+
+    def __init__(
+        self, parts: list, finish: Optional[Callable[[], Any]], handle: HpdlWork, comm: Communicator, p2p: bool
+    ):
+        self.p2p = p2p
+        self.parts = parts
+        self.finish = finish
+        self.handle = handle
+        self.comm = comm
+        self.started = time.perf_counter()
+        self.deadline = self.started + comm.timeout
+
+    def test(self, now: float) -> tuple[bool, Any, Optional[BaseException]]:
+        """(finished, result, error): parts are tested in order; past the deadline the first unfinished one fails."""
+        try:
+            for i, part in enumerate(self.parts):
+                if not part.is_completed():
+                    if now < self.deadline:
+                        del self.parts[:i]
+                        return False, None, None
+                    part.wait(timeout=0.0)  # raises hpdl's CommTimeoutError, naming the missing ranks
+            return True, (self.finish() if self.finish is not None else None), None
+        except BaseException as exc:  # every failure goes to the waiting side
+            return True, None, exc
+
+
+class Progress:
+    """Operations in flight for every hpdl process group of this process, and the thread that completes them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inflight: list[_Pending] = []
+        self._waiters = 0
+        self._thread: Optional[threading.Thread] = None
+        self._local = threading.local()
+        self._last_collective: Optional[HpdlWork] = None
+        self._deep_sleep = True
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held while hpdl's communicators are used (start, test): one thread at a time talks to MPI."""
+        return self._cond
+
+    def submit(self, comm: Communicator, start: Callable[[], Started], handle: HpdlWork, p2p: bool = False) -> HpdlWork:
+        """Start an operation now (errors in its arguments raise here) and complete `handle` when it finishes.
+
+        A collective starts only once the previous collective has completed *and* its future's callbacks
+        have run: a callback may issue collectives of its own (DDP comm hooks, PowerSGD), and they must
+        take the same place in the sequence on every rank. Overlap with computation is kept (the
+        operation still runs while the issuing thread computes); point-to-point operations are not held
+        back (both peers may send before they receive).
+        """
+        in_callback = getattr(self._local, "delivering", False)
+        if not p2p and not in_callback:
+            previous = self._last_collective
+            if previous is not None:
+                self.wait(previous)
+        with self._cond:
+            parts, finish = start()
+            pending = _Pending(parts, finish, handle, comm, p2p)
+            if not p2p:
+                self._last_collective = handle
+            if not self._inflight:  # nothing earlier to finish first: small messages often complete here
+                done, result, error = pending.test(time.perf_counter())
+                if done:
+                    pending = None  # type: ignore[assignment]
+            if pending is not None:
+                self._inflight.append(pending)
+                self._ensure_thread()
+                if self._deep_sleep:
+                    self._cond.notify()
+        if pending is None:
+            handle._complete(result, error)
+        elif in_callback:
+            # Issued from a future's callback: the callback may block on it in C++ (PowerSGD's hook does),
+            # where nobody could complete it, since this thread is the one that completes futures. Finish it here.
+            self.wait(handle)
+        return handle
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (which uses a communicator) under the lock, between operations."""
+        with self._cond:
+            return fn()
+
+    def wait(self, handle: HpdlWork) -> None:
+        """Drive progress on this thread until `handle` is complete (bounded by the operation's deadline)."""
+        if handle._done:
+            return
+        with self._cond:
+            self._waiters += 1
+        try:
+            while not handle._done:
+                finished = self._poll()
+                self._deliver(finished)
+                if not finished and not handle._done and not self._has(handle):
+                    time.sleep(POLL_SECONDS)  # another thread holds its result and is delivering it
+        finally:
+            with self._cond:
+                self._waiters -= 1
+
+    def poll(self) -> None:
+        """Test the operations in flight once (for `is_completed`)."""
+        self._deliver(self._poll())
+
+    def _has(self, handle: HpdlWork) -> bool:
+        with self._cond:
+            return any(p.handle is handle for p in self._inflight)
+
+    def _poll(self) -> list:
+        with self._cond:
+            if not self._inflight:
+                return []
+            now = time.perf_counter()
+            finished, remaining = [], []
+            for pending in self._inflight:
+                done, result, error = pending.test(now)
+                if done:
+                    finished.append((pending.handle, result, error))
+                else:
+                    remaining.append(pending)
+            self._inflight = remaining
+            return finished
+
+    def _deliver(self, finished: list) -> None:
+        # Outside the lock: a future's callbacks (DDP comm hooks, PowerSGD) may issue the next operation.
+        if not finished:
+            return
+        nested = getattr(self._local, "delivering", False)
+        self._local.delivering = True
+        try:
+            for handle, result, error in finished:
+                handle._complete(result, error)
+        finally:
+            self._local.delivering = nested
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="hpdl-torch-progress", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                idle_since = time.perf_counter()
+                while not self._inflight:
+                    # Idle: look again every tick (so that issuing an operation needs no wake-up call),
+                    # and after a while sleep until `submit` wakes this thread.
+                    self._deep_sleep = time.perf_counter() - idle_since > DEEP_SLEEP_AFTER
+                    self._cond.wait(None if self._deep_sleep else TICK_SECONDS)
+                self._deep_sleep = False
+                oldest, newest = self._inflight[0].started, self._inflight[-1].started
+            now = time.perf_counter()
+            if self._waiters:
+                # A thread waits in wait() and drives progress itself: stay out of its way (every
+                # hand-off of the GIL or the lock between threads costs a scheduler wake-up).
+                time.sleep(IDLE_SECONDS)
+                continue
+            if now - newest < GRACE_SECONDS:  # give the issuing thread the chance to wait for it itself
+                time.sleep(GRACE_SECONDS)
+                continue
+            self._deliver(self._poll())
+            time.sleep(POLL_SECONDS if now - oldest > SPIN_SECONDS else 0)
+
+
+progress = Progress()
+"""The one instance: operations of every hpdl group complete in one place, in issue order per group."""

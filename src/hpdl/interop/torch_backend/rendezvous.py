@@ -1,0 +1,44 @@
+"""`env://` under an MPI launcher: rank 0 opens a TCPStore on a free port and tells the others over MPI.
+
+torch.distributed needs a store even when the collectives do not (new gloo
+groups, DeviceMesh and the store-based barriers use it). Rank and world size
+come from MPI; a rank or world size given in the URL must agree with them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any, Iterator, Optional
+from urllib.parse import parse_qs, urlparse
+
+__all__ = ["mpi_rendezvous"]
+
+DEFAULT_STORE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def mpi_rendezvous(url: str, timeout: Optional[datetime.timedelta]) -> Iterator[tuple[Any, int, int]]:
+    import torch.distributed as dist
+
+    import hpdl
+
+    comm = hpdl.init("mpi")
+    query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+    for name, mine in (("rank", comm.rank), ("world_size", comm.size)):
+        if name in query and int(query[name]) != mine:
+            raise ValueError(
+                f"init_process_group: {name}={query[name]} but MPI says {mine} (this process is rank {comm.rank} "
+                f"of {comm.size}); under an MPI launcher leave rank and world_size out (or pass MPI's values)"
+            )
+    span = timeout or DEFAULT_STORE_TIMEOUT
+    store = None
+    if comm.rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, comm.size, is_master=True, timeout=span, wait_for_workers=False)
+        address = (socket.gethostname(), store.port)
+    else:
+        address = None
+    host, port = comm.broadcast_object(address, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=span)
+    yield store, comm.rank, comm.size
+    raise RuntimeError("the hpdl MPI rendezvous cannot re-rendezvous: restart the job")

@@ -1,0 +1,100 @@
+"""The `Work` torch code receives from the hpdl backend: `wait()`, `is_completed()` and `get_future()`."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hpdl.interop.torch_backend.progress import progress
+
+__all__ = ["HpdlWork"]
+
+
+class HpdlWork(dist._Work):
+    """One operation of the hpdl backend.
+
+    `wait()` drives progress on the calling thread and re-raises the
+    operation's own error (a `CommTimeoutError` naming the missing ranks, a
+    `CollectiveMismatchError` in debug mode). `get_future()` is what DDP and
+    the functional collectives wait on; the progress thread completes it,
+    with the list of output tensors as its value.
+    """
+
+    def __init__(self, outputs: Any = None) -> None:
+        super().__init__()
+        self._done = False
+        self._resolved = False
+        self._future: Optional[torch.futures.Future] = None  # made on first use: most calls never ask for it
+        self._outputs = outputs
+        self._error: Optional[BaseException] = None
+
+    # torch.distributed's Work API ---------------------------------------------------
+    def wait(self, timeout: Any = None) -> bool:
+        progress.wait(self)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            progress.poll()
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        with _FUTURES:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._resolved:  # finished before anyone asked: no callbacks yet, resolve it here
+                    self._resolve(self._future)
+            return self._future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        raise RuntimeError("source_rank: the hpdl backend does not support recv from any source")
+
+    # completion (from the progress engine) -------------------------------------------
+    def _complete(self, result: Any, error: Optional[BaseException]) -> None:
+        self._error = error
+        if result is not None:
+            self._outputs = result
+        with _FUTURES:
+            future = self._future
+            self._resolved = True
+        try:
+            # The future's callbacks run first: whoever waits for this operation also waits for them.
+            if future is not None:
+                self._resolve(future)
+        finally:
+            self._done = True
+
+    def _resolve(self, future: torch.futures.Future) -> None:
+        if self._error is None:
+            future.set_result(self._outputs)
+        else:
+            future.set_exception(self._error)
+
+
+_FUTURES = threading.Lock()
+"""Guards the lazy creation of a work's future against its completion on another thread."""
+
+
+def done(outputs: Any) -> HpdlWork:
+    """A handle that is already complete."""
+    work = HpdlWork(outputs)
+    work._complete(outputs, None)
+    return work

@@ -1,0 +1,26 @@
+"""A plain torch.distributed DDP script on the "hpdl" backend (used by test_torch_backend_training.py).
+
+Launched with plain `mpiexec` (no hpdl launch, no MASTER_ADDR): it trains,
+prints the largest difference from one process, and then, with `raise`,
+the last rank fails so that the job must end with that rank's traceback.
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hpdl  # noqa: E402,F401  (registers "hpdl")
+import torch_backend_training as training  # noqa: E402
+
+dist.init_process_group("hpdl")
+params = training.ddp(None, "hpdl")
+worst = max(float(np.abs(np.array(p) - np.array(r)).max()) for p, r in zip(params, training.reference()))
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: largest difference {worst:.3e}", flush=True)
+if sys.argv[1:] == ["raise"]:
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise ValueError("the last rank fails on purpose")
+    dist.barrier()  # the others wait here and must be stopped
+dist.destroy_process_group()

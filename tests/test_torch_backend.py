@@ -1,0 +1,84 @@
+"""The "hpdl" torch.distributed backend: the same torch code on hpdl and on gloo gives the same results.
+
+One pool of MPI ranks per size (2 and 3) hosts every body; each rank calls
+`dist.init_process_group("hpdl")` itself (see torch_backend_bodies.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torch_backend_bodies as bodies
+from conftest import RankError
+
+POOL_ENV = {"HPDL_TEST_POOL": "torch-backend"}
+"""A pool of its own: these ranks hold a torch.distributed default group that other tests must not see."""
+
+
+@pytest.fixture(params=[2, 3], ids=["2-ranks", "3-ranks"])
+def pool(request, ranks):
+    return ranks("mpi", request.param, POOL_ENV)
+
+
+def _same(hpdl_result, gloo_result):
+    assert hpdl_result.keys() == gloo_result.keys()
+    for key in hpdl_result:
+        assert hpdl_result[key] == gloo_result[key], key
+
+
+def test_every_collective_equals_gloo(pool):
+    hpdl_results = pool.run(bodies.collectives, "hpdl", timeout=120)
+    gloo_results = pool.run(bodies.collectives, "gloo", timeout=120)
+    for mine, theirs in zip(hpdl_results, gloo_results):
+        _same(mine, theirs)
+
+
+def test_avg_and_premul_sum_scale_the_sum(pool):
+    for result in pool.run(bodies.hpdl_only_reductions):
+        for n, (avg, premul, total, scattered, scattered_sum) in result.items():
+            assert avg == pytest.approx([v / pool.nprocs for v in total], rel=1e-12), n
+            assert premul == pytest.approx([v * 0.25 for v in total], rel=1e-12), n
+            assert scattered == pytest.approx([v * 0.5 for v in scattered_sum], rel=1e-12), n
+
+
+def test_async_point_to_point_and_objects_equal_gloo(pool):
+    for mine, theirs in zip(pool.run(bodies.async_and_objects, "hpdl"), pool.run(bodies.async_and_objects, "gloo")):
+        _same(mine, theirs)
+
+
+def test_functional_collectives_equal_gloo(pool):
+    for mine, theirs in zip(pool.run(bodies.functional, "hpdl"), pool.run(bodies.functional, "gloo")):
+        _same(mine, theirs)
+
+
+def test_subgroups_and_device_mesh(pool):
+    results = pool.run(bodies.subgroups)
+    for rank, result in enumerate(results):
+        if rank < 2:
+            assert result["hpdl"] == result["gloo"]
+        assert result["mesh"] == ([sum(range(1, pool.nprocs + 1))] * 3, "HpdlProcessGroup")
+
+
+def test_destroy_and_init_again(pool):
+    for before, values, backend in pool.run(bodies.reinit):
+        assert not before and values == [pool.nprocs] * 2 and backend == "hpdl"
+
+
+def test_mismatched_shapes_in_debug_mode(ranks):
+    pool = ranks("mpi", 2, POOL_ENV)
+    errors = pool.run(bodies.mismatched_shapes, expect_errors=True)
+    assert all(isinstance(e, RankError) and e.type_name == "CollectiveMismatchError" for e in errors), errors
+
+
+def test_torchrun_launch_fails_at_once_with_how_to_launch():
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="t", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    env.update(MASTER_PORT="29533", LOCAL_RANK="0")
+    env.pop("HPDL_BACKEND", None)
+    code = "import torch.distributed as dist, hpdl; dist.init_process_group('hpdl')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "hpdl launch -n N" in done.stderr and "mpiexec -n N" in done.stderr, done.stderr[-2000:]

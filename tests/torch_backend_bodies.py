@@ -1,0 +1,268 @@
+"""Rank bodies for test_torch_backend.py: the same torch.distributed code on the "hpdl" and the "gloo" group.
+
+The pool's ranks are MPI ranks; each initialises torch.distributed with the
+"hpdl" backend once (no MASTER_ADDR: the store's address comes over MPI) and
+makes a gloo group of every rank beside it, so that one body runs its torch
+code on both and the test compares the results.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import hpdl  # noqa: F401  (registers the backend)
+
+_GROUPS: dict[str, Any] = {}
+
+
+def groups() -> dict[str, Any]:
+    """{"hpdl": the default group, "gloo": a gloo group of every rank}, made once per process."""
+    if not dist.is_initialized():
+        dist.init_process_group("hpdl")
+        _GROUPS.clear()
+    if not _GROUPS:
+        _GROUPS["hpdl"] = dist.group.WORLD
+        _GROUPS["gloo"] = dist.new_group(backend="gloo")
+    return _GROUPS
+
+
+def _data(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Small integers (exact in every dtype, so sums agree to the last bit on every library)."""
+    base = (torch.arange(n, dtype=torch.int64) * 7 + rank * 3 + salt) % 11 - 3
+    return base.to(dtype)
+
+
+SIZES = (0, 7, 4099)
+LARGE = 300001
+"""One large message (odd size) per collective family, float32 only."""
+DTYPES = (torch.float32, torch.int64)  # float64 runs through every training test
+
+
+def collectives(comm: Any, name: str) -> dict:
+    """Every collective of torch.distributed on group `name`; results by key."""
+    g = groups()[name]
+    rank, size = dist.get_rank(g), dist.get_world_size(g)
+    out: dict = {}
+    cases = [(dtype, n) for dtype in DTYPES for n in SIZES] + [(torch.float32, LARGE)]
+    for dtype, n in cases:
+        if True:
+            key = (str(dtype), n)
+            ops = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN]
+            if dtype == torch.int64:
+                ops += [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
+            for op in ops:
+                t = _data(rank, n, dtype)
+                dist.all_reduce(t, op=op, group=g)
+                out[("all_reduce", str(op), *key)] = t
+            t = (_data(rank, n, dtype) % 3 + 1).to(dtype)
+            dist.all_reduce(t, op=dist.ReduceOp.PRODUCT, group=g)
+            out[("all_reduce", "prod", *key)] = t
+            # a non-contiguous tensor
+            t = _data(rank, 2 * n, dtype).view(2, n).t()
+            dist.all_reduce(t, group=g)
+            out[("all_reduce", "strided", *key)] = t.contiguous()
+            x = _data(rank, n, dtype)
+            gathered = [torch.empty(n, dtype=dtype) for _ in range(size)]
+            dist.all_gather(gathered, x, group=g)
+            out[("all_gather", *key)] = torch.stack(gathered)
+            whole = torch.empty(n * size, dtype=dtype)
+            dist.all_gather_into_tensor(whole, x, group=g)
+            out[("all_gather_into_tensor", *key)] = whole
+            inplace = torch.zeros(n * size, dtype=dtype)
+            mine = inplace[rank * n : (rank + 1) * n]
+            mine.copy_(x)
+            dist.all_gather_into_tensor(inplace, mine, group=g)  # the input is a view of the output (FSDP)
+            out[("all_gather_into_tensor", "in-place", *key)] = inplace
+            chunks = [_data(rank, n, dtype, salt=j) for j in range(size)]
+            result = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter(result, chunks, group=g)
+            out[("reduce_scatter", *key)] = result
+            result = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(result, torch.cat(chunks), group=g)
+            out[("reduce_scatter_tensor", *key)] = result
+            t = _data(rank, n, dtype)
+            dist.broadcast(t, src=size - 1, group=g)
+            out[("broadcast", *key)] = t
+            t = _data(rank, n, dtype)
+            dist.reduce(t, dst=0, group=g)
+            if rank == 0:
+                out[("reduce", *key)] = t
+            gather_list = [torch.empty(n, dtype=dtype) for _ in range(size)] if rank == size - 1 else None
+            dist.gather(_data(rank, n, dtype), gather_list, dst=size - 1, group=g)
+            if gather_list is not None:
+                out[("gather", *key)] = torch.stack(gather_list)
+            result = torch.empty(n, dtype=dtype)
+            dist.scatter(result, chunks if rank == 0 else None, src=0, group=g)
+            out[("scatter", *key)] = result
+            even = _data(rank, n * size, dtype)
+            result = torch.empty(n * size, dtype=dtype)
+            dist.all_to_all_single(result, even, group=g)
+            out[("all_to_all_single", *key)] = result
+            # uneven: rank r sends (j + r) % 3 + n rows to rank j
+            send_rows = [(j + rank) % 3 + (n % 5) for j in range(size)]
+            recv_rows = [(rank + j) % 3 + (n % 5) for j in range(size)]
+            source = _data(rank, sum(send_rows) * 2, dtype).view(-1, 2)
+            result = torch.empty(sum(recv_rows), 2, dtype=dtype)
+            dist.all_to_all_single(result, source, recv_rows, send_rows, group=g)
+            out[("all_to_all_single", "uneven", *key)] = result
+            outs = [torch.empty(n, dtype=dtype) for _ in range(size)]
+            dist.all_to_all(outs, [c.clone() for c in chunks], group=g)
+            out[("all_to_all", *key)] = torch.stack(outs)
+    return {k: v.tolist() for k, v in out.items()}
+
+
+def hpdl_only_reductions(comm: Any) -> dict:
+    """AVG and PREMUL_SUM (gloo has neither): the test compares them with SUM."""
+    g = groups()["hpdl"]
+    out = {}
+    for n in SIZES:
+        x = _data(dist.get_rank(), n, torch.float64)
+        avg = x.clone()
+        dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+        premul = x.clone()
+        dist.all_reduce(premul, op=dist._make_nccl_premul_sum(0.25))
+        total = x.clone()
+        dist.all_reduce(total, group=g)
+        scattered = torch.empty(n, dtype=torch.float64)
+        dist.reduce_scatter_tensor(
+            scattered,
+            _data(dist.get_rank(), n * dist.get_world_size(), torch.float64),
+            op=dist.ReduceOp.PREMUL_SUM(0.5),
+        )
+        scattered_sum = torch.empty(n, dtype=torch.float64)
+        dist.reduce_scatter_tensor(scattered_sum, _data(dist.get_rank(), n * dist.get_world_size(), torch.float64))
+        out[n] = (avg.tolist(), premul.tolist(), total.tolist(), scattered.tolist(), scattered_sum.tolist())
+    return out
+
+
+def async_and_objects(comm: Any, name: str) -> dict:
+    """async_op with wait() and get_future(), coalesced calls, point-to-point, barrier and the object collectives."""
+    g = groups()[name]
+    rank, size = dist.get_rank(g), dist.get_world_size(g)
+    out: dict = {}
+    tensors = [_data(rank, n, torch.float32) for n in (3, 100000, 5)]
+    works = [dist.all_reduce(t, group=g, async_op=True) for t in tensors]
+    futures = [w.get_future() for w in works[1:]]
+    works[0].wait()
+    torch.futures.wait_all(futures)
+    out["async"] = [t.tolist() for t in tensors]
+    out["future value"] = [f.value()[0].tolist() for f in futures]
+    chained = dist.all_reduce(torch.ones(4), group=g, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    out["then"] = chained.wait().tolist()
+    coalesced = [_data(rank, n, torch.float64) for n in (4, 9, 1)]
+    dist.all_reduce_coalesced(coalesced, group=g)
+    out["all_reduce_coalesced"] = [t.tolist() for t in coalesced]
+    # point-to-point: a ring, blocking and batched
+    right, left = (rank + 1) % size, (rank - 1) % size
+    received = torch.empty(6)
+    if rank % 2 == 0:
+        dist.send(torch.full((6,), float(rank)), dst=right, group=g)
+        dist.recv(received, src=left, group=g)
+    else:
+        dist.recv(received, src=left, group=g)
+        dist.send(torch.full((6,), float(rank)), dst=right, group=g)
+    out["send/recv"] = received.tolist()
+    big_in = torch.empty(300000)
+    ops = [
+        dist.P2POp(dist.isend, torch.full((300000,), float(rank)), right, group=g),
+        dist.P2POp(dist.irecv, big_in, left, group=g),
+    ]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    out["batch_isend_irecv"] = big_in[:3].tolist()
+    dist.barrier(group=g)
+    objects: list = [None] * size
+    dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank}, group=g)
+    out["all_gather_object"] = objects
+    chosen = [{"from": rank}, [rank] * 3] if rank == 0 else [None, None]
+    dist.broadcast_object_list(chosen, src=0, group=g)
+    out["broadcast_object_list"] = chosen
+    gathered = [None] * size if rank == 0 else None
+    dist.gather_object(("r", rank), gathered, dst=0, group=g)
+    out["gather_object"] = gathered
+    received_obj: list = [None]
+    dist.scatter_object_list(received_obj, [f"to {j}" for j in range(size)] if rank == 0 else None, src=0, group=g)
+    out["scatter_object_list"] = received_obj
+    return out
+
+
+def functional(comm: Any, name: str) -> dict:
+    """The functional collectives (C++ dispatch through the process group, as DTensor uses them)."""
+    import torch.distributed._functional_collectives as funcol
+
+    g = groups()[name]
+    rank = dist.get_rank(g)
+    x = _data(rank, 12, torch.float32)
+    return {
+        "all_reduce": funcol.all_reduce(x, "sum", g).tolist(),
+        "all_gather_tensor": funcol.all_gather_tensor(x, 0, g).tolist(),
+        "reduce_scatter_tensor": funcol.reduce_scatter_tensor(x.repeat(dist.get_world_size(g)), "sum", 0, g).tolist(),
+        "all_to_all_single": funcol.all_to_all_single(x.repeat(dist.get_world_size(g)), None, None, g).tolist(),
+    }
+
+
+_SUB: dict[str, Any] = {}
+
+
+def subgroups(comm: Any) -> dict:
+    """new_group on ranks [0, 1] (the last rank is outside on 3 ranks), for both backends; and DeviceMesh."""
+    groups()
+    rank = dist.get_rank()
+    if not _SUB:
+        _SUB["hpdl"] = dist.new_group([0, 1])
+        _SUB["gloo"] = dist.new_group([0, 1], backend="gloo")
+        _SUB["odd"] = dist.new_group([r for r in range(dist.get_world_size()) if r % 2 == 1] or [0])
+    out: dict = {}
+    for name in ("hpdl", "gloo"):
+        g = _SUB[name]
+        if rank in (0, 1):
+            t = _data(rank, 9, torch.float64)
+            dist.all_reduce(t, group=g)
+            parts = [torch.empty(9, dtype=torch.float64) for _ in range(2)]
+            dist.all_gather(parts, _data(rank, 9, torch.float64), group=g)
+            b = _data(rank, 4, torch.float32)
+            dist.broadcast(b, src=1, group=g)  # a global rank
+            out[name] = (t.tolist(), [p.tolist() for p in parts], b.tolist(), dist.get_rank(g))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=mesh.get_group("dp"))
+    out["mesh"] = (t.tolist(), mesh.get_group("dp").__class__.__name__)
+    return out
+
+
+def reinit(comm: Any) -> tuple:
+    """destroy_process_group and a second init_process_group in the same processes."""
+    groups()
+    dist.destroy_process_group()
+    _GROUPS.clear()
+    _SUB.clear()
+    before = dist.is_initialized()
+    g = groups()["hpdl"]
+    t = torch.ones(2)
+    dist.all_reduce(t, group=g)
+    return before, t.tolist(), dist.get_backend()
+
+
+# -------------------------------------------------------------------- failures
+def skipped_collective(comm: Any, seconds: float) -> Optional[str]:
+    """The last rank skips an all_reduce: the others get CommTimeoutError naming it."""
+    g = groups()["hpdl"]
+    g.comm.timeout = seconds
+    if dist.get_rank() == dist.get_world_size() - 1:
+        return None
+    dist.all_reduce(torch.ones(3), group=g)
+    return "returned"
+
+
+def mismatched_shapes(comm: Any) -> None:
+    g = groups()["hpdl"]
+    g.comm.debug = True
+    try:
+        dist.all_reduce(torch.ones(3 + dist.get_rank()), group=g)
+    finally:
+        g.comm.debug = False
