@@ -17,7 +17,8 @@ parallelism) gradients are averaged over the samples too.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from hpdl.parallel.spatial.convert import convert
 from hpdl.parallel.spatial.extent import SpatialContext, slab_sizes
 from hpdl.parallel.spatial.halo import HaloStats
 from hpdl.parallel.spatial.layers import SpatialLayer
+from hpdl.parallel.spatial.shard import gather
 
 __all__ = ["SpatialParallel"]
 
@@ -45,6 +47,9 @@ class SpatialParallel(nn.Module):
             `comm`); for dp x sp, the group of all dp x sp ranks.
         bucket_mb: megabytes per gradient bucket.
         overlap: compute each layer's interior while its halos are in flight.
+        gather_output: gather the output slabs into the whole tensor on every
+            rank (for a model without a head: the first stage of a pipeline
+            whose later stages run whole).
 
     The forward takes this rank's slab (`shard`) and returns, after a global
     pool / Flatten, the replicated head's output; a model without a head
@@ -60,11 +65,12 @@ class SpatialParallel(nn.Module):
         grad_comm: Optional[Communicator] = None,
         bucket_mb: float = 25.0,
         overlap: bool = True,
+        gather_output: bool = False,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"SpatialParallel wraps an nn.Module, got {type(module).__name__}")
-        self.comm, self.dim = comm, dim
+        self.comm, self.dim, self.gather_output = comm, dim, bool(gather_output)
         self.grad_comm = grad_comm if grad_comm is not None else comm
         if self.grad_comm.size % comm.size:
             raise ValueError(f"SpatialParallel: grad_comm has {self.grad_comm.size} ranks, not a multiple of the spatial group's {comm.size}")
@@ -92,7 +98,26 @@ class SpatialParallel(nn.Module):
         shape = list(x.shape)
         shape[self.dim] = rows
         self.context.begin(tuple(shape))
-        return self.module(x, *args, **kwargs)
+        out = self.module(x, *args, **kwargs)
+        if self.gather_output:
+            if not isinstance(out, torch.Tensor) or out.dim() <= self.dim:
+                raise ValueError("SpatialParallel: gather_output needs the module to return a tensor with the split dimension")
+            out = gather(out, self.comm, self.dim)
+        return out
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next backward outside reduces them."""
+        previous = self.reducer.enabled
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce the current gradients now (collective), after `no_sync` passes."""
+        self.reducer.sync_now()
 
     @property
     def halo_stats(self) -> HaloStats:
