@@ -47,7 +47,9 @@ def test_an_unsupported_layer_is_named_before_any_compute(ranks):
     with pytest.raises(ValueError, match=r"layer '1\.1' \(LayerNorm\) cannot run on slabs"):
         SpatialParallel(model, pool.comm)
     # after the global pool the network runs replicated: anything goes there
-    SpatialParallel(nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(2)), pool.comm)
+    SpatialParallel(
+        nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(2)), pool.comm
+    )
 
 
 # ---------------------------------------------------------------------- N ranks

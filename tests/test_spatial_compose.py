@@ -100,7 +100,14 @@ def spatial_pipeline_train(comm):
     def wrap(stage: nn.Module) -> nn.Module:
         return SpatialParallel(stage, sp, dim=2, gather_output=True) if first else stage
 
-    pipe = Pipeline(make_net(2, batch_norm=False), pipe_comm, chunks=2, balance=[FIRST_STAGE, 10], checkpoint="never", wrap_stage=wrap)
+    pipe = Pipeline(
+        make_net(2, batch_norm=False),
+        pipe_comm,
+        chunks=2,
+        balance=[FIRST_STAGE, 10],
+        checkpoint="never",
+        wrap_stage=wrap,
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     x, y = make_data((23, 7))
     losses = []
@@ -146,7 +153,9 @@ def spatial_checkpoint(comm, path):
             o.zero_grad()
             F.cross_entropy(m(shard(x[step], comm, 2)), y[step]).backward()
             o.step()
-    return {k: v.clone() for k, v in model.module.state_dict().items()}, {k: v.clone() for k, v in fresh.module.state_dict().items()}
+    return {k: v.clone() for k, v in model.module.state_dict().items()}, {
+        k: v.clone() for k, v in fresh.module.state_dict().items()
+    }
 
 
 def test_a_spatial_model_saves_and_loads_through_hpdl_checkpoint(ranks, tmp_path):

@@ -73,7 +73,9 @@ class _State:
         self.layers: list[tuple[str, SpatialLayer]] = []
 
 
-def convert(module: nn.Module, comm: Communicator, dim: int, context: Optional[SpatialContext] = None) -> list[tuple[str, SpatialLayer]]:
+def convert(
+    module: nn.Module, comm: Communicator, dim: int, context: Optional[SpatialContext] = None
+) -> list[tuple[str, SpatialLayer]]:
     """Swap `module`'s layers for spatial ones in place; return (name, layer) of each spatial layer made.
 
     Raises ValueError naming the first layer that cannot run on slabs.
@@ -81,13 +83,17 @@ def convert(module: nn.Module, comm: Communicator, dim: int, context: Optional[S
     in `nn.Sequential`).
     """
     if not isinstance(dim, int) or dim < 2:
-        raise ValueError(f"spatial: dim={dim!r} must be a spatial dimension (2 for the height of NCHW / the depth of NCDHW)")
+        raise ValueError(
+            f"spatial: dim={dim!r} must be a spatial dimension (2 for the height of NCHW / the depth of NCDHW)"
+        )
     state = _State()
     _convert_children(module, "", comm, dim, context, state)
     return state.layers
 
 
-def _convert_children(parent: nn.Module, prefix: str, comm: Communicator, dim: int, context: Optional[SpatialContext], state: _State) -> None:
+def _convert_children(
+    parent: nn.Module, prefix: str, comm: Communicator, dim: int, context: Optional[SpatialContext], state: _State
+) -> None:
     for child_name, child in list(parent.named_children()):
         name = f"{prefix}{child_name}"
         replacement = _convert_one(child, name, comm, dim, context, state)
@@ -96,7 +102,9 @@ def _convert_children(parent: nn.Module, prefix: str, comm: Communicator, dim: i
             state.layers.append((name, replacement))
 
 
-def _convert_one(module: nn.Module, name: str, comm: Communicator, dim: int, context: Optional[SpatialContext], state: _State) -> Optional[SpatialLayer]:
+def _convert_one(
+    module: nn.Module, name: str, comm: Communicator, dim: int, context: Optional[SpatialContext], state: _State
+) -> Optional[SpatialLayer]:
     if state.replicated:
         return None
     if isinstance(module, SpatialLayer):

@@ -19,7 +19,9 @@ def describe_layers(layers: list[tuple[str, Any]], rows: int, ranks: int) -> str
             lines.append(f"{name}: {type(layer).__name__}: slabs reduced, the rest runs replicated")
             break
         if not isinstance(layer, _WindowLayer):
-            lines.append(f"{name}: {type(layer).__name__}: no halo (statistics over all slabs)" if layer.spatial_params else name)
+            lines.append(
+                f"{name}: {type(layer).__name__}: no halo (statistics over all slabs)" if layer.spatial_params else name
+            )
             continue
         windows = layer.windows(n)
         d = layer.split_dim - 2

@@ -46,10 +46,14 @@ def slab_sizes(rows: int, comm: Communicator, device: torch.device) -> list[int]
     return [int(v) for v in comm.allgather(mine, sizes=[1] * comm.size).tolist()]
 
 
-def global_rows(x: torch.Tensor, dim: int, comm: Communicator, context: Optional[SpatialContext], layer_id: int, layer: str) -> tuple[int, int]:
+def global_rows(
+    x: torch.Tensor, dim: int, comm: Communicator, context: Optional[SpatialContext], layer_id: int, layer: str
+) -> tuple[int, int]:
     """(global rows along `dim`, call number) of this layer's input slab `x`; checks the slabs are the even split."""
     if x.dim() <= dim:
-        raise ValueError(f"{layer}: input of shape {tuple(x.shape)} has no dimension {dim} to split (batched input expected)")
+        raise ValueError(
+            f"{layer}: input of shape {tuple(x.shape)} has no dimension {dim} to split (batched input expected)"
+        )
     rows = x.shape[dim]
     call = 0
     key = None

@@ -104,7 +104,9 @@ class _Exchange:
                 rows.append(self.received[a].narrow(self.dim, position, 1))
         return torch.cat(rows, self.dim)
 
-    def post_backward(self, x_shape: list[int], like: torch.Tensor, grads: list[tuple[list, torch.Tensor]]) -> Optional[torch.Tensor]:
+    def post_backward(
+        self, x_shape: list[int], like: torch.Tensor, grads: list[tuple[list, torch.Tensor]]
+    ) -> Optional[torch.Tensor]:
         """Send the halo rows' gradients to their owners, post receives; return the gradient of my own padding copies."""
         self.backward_posted = True
         outgoing = {q: like.new_zeros(self._rows_shape(like, len(rows))) for q, rows in self.receive_rows.items()}

@@ -135,11 +135,21 @@ def conv_padding(conv: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
 class SpatialConv(_WindowLayer):
     """Conv1d/2d/3d over the whole image, computed on this rank's slab plus halos."""
 
-    def __init__(self, conv: nn.modules.conv._ConvNd, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]):
+    def __init__(
+        self,
+        conv: nn.modules.conv._ConvNd,
+        comm: Communicator,
+        dim: int,
+        name: str,
+        layer_id: int,
+        context: Optional[SpatialContext],
+    ):
         super().__init__(comm, dim, name, layer_id, context)
         n = len(conv.kernel_size)
         if not 2 <= dim < 2 + n:
-            raise ValueError(f"{name} ({type(conv).__name__}): split dim {dim} is not one of its spatial dims 2..{n + 1}")
+            raise ValueError(
+                f"{name} ({type(conv).__name__}): split dim {dim} is not one of its spatial dims 2..{n + 1}"
+            )
         self.nd = n
         self.weight = conv.weight
         self.bias = conv.bias
@@ -168,14 +178,18 @@ class SpatialConv(_WindowLayer):
 class SpatialPool(_WindowLayer):
     """MaxPool/AvgPool 1d/2d/3d over the whole image (floor mode)."""
 
-    def __init__(self, pool: nn.Module, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]):
+    def __init__(
+        self, pool: nn.Module, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]
+    ):
         super().__init__(comm, dim, name, layer_id, context)
         kind = type(pool).__name__
         self.nd = int(kind[-2])
         if not 2 <= dim < 2 + self.nd:
             raise ValueError(f"{name} ({kind}): split dim {dim} is not one of its spatial dims 2..{self.nd + 1}")
         if getattr(pool, "ceil_mode", False):
-            raise ValueError(f"{name} ({kind}): ceil_mode=True is not supported by spatial parallelism; use ceil_mode=False")
+            raise ValueError(
+                f"{name} ({kind}): ceil_mode=True is not supported by spatial parallelism; use ceil_mode=False"
+            )
         if getattr(pool, "return_indices", False):
             raise ValueError(f"{name} ({kind}): return_indices=True is not supported by spatial parallelism")
         self.is_max = kind.startswith("Max")
@@ -215,13 +229,24 @@ class _BatchNormFunction(torch.autograd.Function):
     """Batch norm with statistics over every rank's slab (one small allgather forward, one allreduce backward)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float, comm: Communicator) -> Any:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        eps: float,
+        comm: Communicator,
+    ) -> Any:
         dims = [d for d in range(x.dim()) if d != 1]
         count = x.numel() // x.shape[1]
         local_mean = x.mean(dims)
         local_m2 = ((x - local_mean.view(_shape(x))) ** 2).sum(dims)
         mine = torch.cat([local_mean.new_tensor([float(count)]), local_mean, local_m2])
-        table = comm.allgather(mine.unsqueeze(0).contiguous(), sizes=[1] * comm.size) if comm.size > 1 else mine.unsqueeze(0)
+        table = (
+            comm.allgather(mine.unsqueeze(0).contiguous(), sizes=[1] * comm.size)
+            if comm.size > 1
+            else mine.unsqueeze(0)
+        )
         counts, means, m2s = table[:, 0], table[:, 1 : 1 + x.shape[1]], table[:, 1 + x.shape[1] :]
         total = counts.sum()
         mean = (counts[:, None] * means).sum(0) / total
@@ -250,7 +275,9 @@ class _BatchNormFunction(torch.autograd.Function):
         c = x.shape[1]
         g_dy, g_dy_xhat = sums[:c], sums[c:]
         scale = invstd if weight is None else invstd * weight
-        grad_x = scale.view(_shape(x)) * (grad - (g_dy / ctx.total).view(_shape(x)) - xhat * (g_dy_xhat / ctx.total).view(_shape(x)))
+        grad_x = scale.view(_shape(x)) * (
+            grad - (g_dy / ctx.total).view(_shape(x)) - xhat * (g_dy_xhat / ctx.total).view(_shape(x))
+        )
         grad_w = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None  # this slab's share
         grad_b = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
@@ -263,7 +290,15 @@ def _shape(x: torch.Tensor) -> list[int]:
 class SpatialBatchNorm(SpatialLayer):
     """BatchNorm1d/2d/3d whose training statistics cover the whole image (all slabs), like one process."""
 
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]):
+    def __init__(
+        self,
+        bn: nn.modules.batchnorm._BatchNorm,
+        comm: Communicator,
+        dim: int,
+        name: str,
+        layer_id: int,
+        context: Optional[SpatialContext],
+    ):
         super().__init__(comm, dim, name, layer_id, context)
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
@@ -298,12 +333,16 @@ class SpatialGlobalPool(SpatialLayer):
 
     spatial_params = False
 
-    def __init__(self, pool: nn.Module, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]):
+    def __init__(
+        self, pool: nn.Module, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]
+    ):
         super().__init__(comm, dim, name, layer_id, context)
         self.pool = pool
         self.is_max = type(pool).__name__.startswith("AdaptiveMax")
         if getattr(pool, "return_indices", False):
-            raise ValueError(f"{name} ({type(pool).__name__}): return_indices=True is not supported by spatial parallelism")
+            raise ValueError(
+                f"{name} ({type(pool).__name__}): return_indices=True is not supported by spatial parallelism"
+            )
         size = pool.output_size  # type: ignore[attr-defined]
         sizes = list(size) if isinstance(size, (tuple, list)) else [size] * int(type(pool).__name__[-2])
         self.reduces = sizes[dim - 2] == 1
@@ -330,7 +369,15 @@ class SpatialFlatten(SpatialLayer):
 
     spatial_params = False
 
-    def __init__(self, flatten: nn.Flatten, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]):
+    def __init__(
+        self,
+        flatten: nn.Flatten,
+        comm: Communicator,
+        dim: int,
+        name: str,
+        layer_id: int,
+        context: Optional[SpatialContext],
+    ):
         super().__init__(comm, dim, name, layer_id, context)
         self.flatten = flatten
 

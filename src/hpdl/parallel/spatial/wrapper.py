@@ -73,7 +73,9 @@ class SpatialParallel(nn.Module):
         self.comm, self.dim, self.gather_output = comm, dim, bool(gather_output)
         self.grad_comm = grad_comm if grad_comm is not None else comm
         if self.grad_comm.size % comm.size:
-            raise ValueError(f"SpatialParallel: grad_comm has {self.grad_comm.size} ranks, not a multiple of the spatial group's {comm.size}")
+            raise ValueError(
+                f"SpatialParallel: grad_comm has {self.grad_comm.size} ranks, not a multiple of the spatial group's {comm.size}"
+            )
         self.context = SpatialContext()
         self.module = module
         self.layers = convert(module, comm, dim, self.context)
@@ -101,7 +103,9 @@ class SpatialParallel(nn.Module):
         out = self.module(x, *args, **kwargs)
         if self.gather_output:
             if not isinstance(out, torch.Tensor) or out.dim() <= self.dim:
-                raise ValueError("SpatialParallel: gather_output needs the module to return a tensor with the split dimension")
+                raise ValueError(
+                    "SpatialParallel: gather_output needs the module to return a tensor with the split dimension"
+                )
             out = gather(out, self.comm, self.dim)
         return out
 
