@@ -12,7 +12,7 @@ STEPS, BATCH, CLASSES = 5, 2, 3
 
 
 def make_net(nd: int = 2, batch_norm: bool = True) -> nn.Sequential:
-    """Stride-2, dilated, grouped convolutions with zeros/reflect/replicate/circular padding, pooling, BN, a linear head."""
+    """Stride-2, dilated, grouped convs; zeros/reflect/replicate/circular padding; pooling, BN, linear head."""
     conv = {2: nn.Conv2d, 3: nn.Conv3d}[nd]
     bn = {2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[nd] if batch_norm else (lambda c: nn.Identity())
     maxpool = {2: nn.MaxPool2d, 3: nn.MaxPool3d}[nd]

@@ -1,4 +1,4 @@
-"""Spatial parallelism composed with others: filter/channel-parallel convs, dp x sp, a spatial pipeline stage, checkpoints.
+"""Spatial parallelism composed: filter/channel-parallel convs, dp x sp, a spatial pipeline stage, checkpoints.
 
 Each is checked against one process on the whole batch and image (float64, 1e-10).
 """

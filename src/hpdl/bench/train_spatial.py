@@ -247,12 +247,12 @@ def tp_conv_probe(gloo: Any) -> dict[str, Any]:
         xd = distribute_tensor(x.clone(), mesh, [Shard(3)]).requires_grad_(True)
         wd = distribute_tensor(w.clone(), mesh, [Replicate()]).requires_grad_(True)
         y = torch.nn.functional.conv2d(xd, wd, padding=1)
-        y_full = y.full_tensor()
+        y_full = y.full_tensor()  # type: ignore[attr-defined]
         y.pow(2).sum().backward()
         with torch.no_grad():
             ref = torch.nn.functional.conv2d(x, w, padding=1)
-        gx = None if xd.grad is None else xd.grad.full_tensor()
-        gw = None if wd.grad is None else wd.grad.full_tensor()
+        gx = None if xd.grad is None else xd.grad.full_tensor()  # type: ignore[attr-defined]
+        gw = None if wd.grad is None else wd.grad.full_tensor()  # type: ignore[attr-defined]
 
         def error(got: Any, want: Any) -> Any:
             if got is None:
@@ -281,7 +281,10 @@ def worker(options: Options) -> int:
     x = torch.randn(1, 3, options.size, options.size, generator=g)
     y = torch.randint(0, 10, (1,), generator=g)
     if mpi.rank == 0:
-        print(f"{mpi.size} ranks, MPI {mpi.engine}; image {options.size}^2, width {options.width}; measuring ...", flush=True)
+        print(
+            f"{mpi.size} ranks, MPI {mpi.engine}; image {options.size}^2, width {options.width}; measuring ...",
+            flush=True,
+        )
     times: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     peaks: dict[str, list[int]] = {c: [0] * mpi.size for c in CONTENDERS}
     for _ in range(options.rounds):
@@ -308,7 +311,9 @@ def _write(options: Options, times: dict, peaks: dict, overlap: dict, probe: dic
         per_rank = [p for p in peaks[name] if p] or [0]
         ratio = max(per_rank) / single_peak if single_peak else None
         rows.append([name, s["median"], f"{s['min']:.3g}-{s['max']:.3g}", report.format_bytes(max(per_rank)), ratio])
-        records.append({"contender": name, "samples_per_s": s, "peak_activation_bytes": peaks[name], "peak_ratio": ratio})
+        records.append(
+            {"contender": name, "samples_per_s": s, "peak_activation_bytes": peaks[name], "peak_ratio": ratio}
+        )
     table = report.markdown_table(["contender", "samples/s", "min-max", "peak act./rank", "vs one process"], rows)
     med = {name: report.summarize([1.0 / t for t in times[name]])["median"] for name in CONTENDERS}
     hidden = 1.0 - overlap["wait_overlap"] / overlap["wait_blocking"] if overlap["wait_blocking"] > 0 else 0.0

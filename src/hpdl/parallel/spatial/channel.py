@@ -13,7 +13,7 @@ tensor, so `hpdl.parallel.tensor.full_state_dict` assembles the plain model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,8 @@ class _ParallelConv(nn.Module):
 
 class FilterParallelConv(_ParallelConv):
     """This rank's output channels of `conv` (weight rows split over `comm`)."""
+
+    bias: Optional[nn.Parameter]
 
     def __init__(self, conv: nn.modules.conv._ConvNd, comm: Communicator, *, gather_output: bool = False):
         _check(conv, "out_channels", conv.out_channels, comm, "FilterParallelConv")

@@ -40,7 +40,7 @@ class HaloStats:
     """Time blocked waiting for halos after the interior was computed (what overlap did not hide)."""
     interior_seconds: float = 0.0
     """Time computing the interior between posting and waiting (what hides the transfer)."""
-    layers: dict[str, "HaloStats"] = field(default_factory=dict)
+    layers: dict[str, HaloStats] = field(default_factory=dict)
 
     def add(self, other: HaloStats) -> None:
         self.exchanges += other.exchanges
@@ -105,9 +105,9 @@ class _Exchange:
         return torch.cat(rows, self.dim)
 
     def post_backward(
-        self, x_shape: list[int], like: torch.Tensor, grads: list[tuple[list, torch.Tensor]]
+        self, x_shape: list[int], like: torch.Tensor, grads: list[tuple[list, Any]]
     ) -> Optional[torch.Tensor]:
-        """Send the halo rows' gradients to their owners, post receives; return the gradient of my own padding copies."""
+        """Send the halo rows' gradients to their owners and post receives; return my padding copies' gradient."""
         self.backward_posted = True
         outgoing = {q: like.new_zeros(self._rows_shape(like, len(rows))) for q, rows in self.receive_rows.items()}
         own: Optional[torch.Tensor] = None

@@ -20,7 +20,7 @@ from hpdl.comm.base import Communicator
 from hpdl.parallel.spatial.extent import SpatialContext, global_rows
 from hpdl.parallel.spatial.halo import FORWARD_TAG, TAG_STRIDE, HaloStats, halo_window_forward
 from hpdl.parallel.spatial.partition import Window, plan_windows
-from hpdl.parallel.spatial.shard import gather
+from hpdl.parallel.spatial.shard import gather, sum_over_slabs
 
 __all__ = ["SpatialLayer", "SpatialConv", "SpatialPool", "SpatialBatchNorm", "SpatialGlobalPool", "SpatialFlatten"]
 
@@ -172,7 +172,11 @@ class SpatialConv(_WindowLayer):
         return conv(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
     def extra_repr(self) -> str:
-        return f"{self.plain}, weight={tuple(self.weight.shape)}, kernel={self.kernel}, stride={self.stride}, pad={self.pad}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}, split dim {self.split_dim} over {self.comm.size}"
+        return (
+            f"{self.plain}, weight={tuple(self.weight.shape)}, kernel={self.kernel}, stride={self.stride}, "
+            f"pad={self.pad}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}, "
+            f"split dim {self.split_dim} over {self.comm.size}"
+        )
 
 
 class SpatialPool(_WindowLayer):
@@ -214,15 +218,16 @@ class SpatialPool(_WindowLayer):
         assert padding is not None  # pooling pads symmetrically
         n = self.nd
         if self.is_max:
-            fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[n]
-            return fn(x, self.kernel, self.stride, padding, self.dilation)
+            max_pool: Any = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[n]
+            return max_pool(x, self.kernel, self.stride, padding, self.dilation)
         if n == 1:
             return F.avg_pool1d(x, self.kernel, self.stride, padding, False, self.count_include_pad)
-        fn = {2: F.avg_pool2d, 3: F.avg_pool3d}[n]
-        return fn(x, self.kernel, self.stride, padding, False, self.count_include_pad, self.divisor_override)
+        avg_pool: Any = {2: F.avg_pool2d, 3: F.avg_pool3d}[n]
+        return avg_pool(x, self.kernel, self.stride, padding, False, self.count_include_pad, self.divisor_override)
 
     def extra_repr(self) -> str:
-        return f"{self.plain}, kernel={self.kernel}, stride={self.stride}, pad={self.pad}, split dim {self.split_dim} over {self.comm.size}"
+        where = f"split dim {self.split_dim} over {self.comm.size}"
+        return f"{self.plain}, kernel={self.kernel}, stride={self.stride}, pad={self.pad}, {where}"
 
 
 class _BatchNormFunction(torch.autograd.Function):
@@ -290,6 +295,12 @@ def _shape(x: torch.Tensor) -> list[int]:
 class SpatialBatchNorm(SpatialLayer):
     """BatchNorm1d/2d/3d whose training statistics cover the whole image (all slabs), like one process."""
 
+    weight: Optional[nn.Parameter]
+    bias: Optional[nn.Parameter]
+    running_mean: Optional[torch.Tensor]
+    running_var: Optional[torch.Tensor]
+    num_batches_tracked: Optional[torch.Tensor]
+
     def __init__(
         self,
         bn: nn.modules.batchnorm._BatchNorm,
@@ -329,7 +340,7 @@ class SpatialBatchNorm(SpatialLayer):
 
 
 class SpatialGlobalPool(SpatialLayer):
-    """AdaptiveAvgPool/AdaptiveMaxPool whose output has one row along the split dimension: slabs reduced, output replicated."""
+    """Adaptive avg/max pooling to one row along the split dimension: slabs reduced, output replicated."""
 
     spatial_params = False
 
@@ -355,13 +366,12 @@ class SpatialGlobalPool(SpatialLayer):
             peaks = gather(x.amax(dim, keepdim=True), self.comm, dim)
             return self.pool(peaks.amax(dim, keepdim=True))
         n, _ = self.rows(x)
-        from hpdl.parallel.spatial.shard import sum_over_slabs
-
         return self.pool(sum_over_slabs(x.sum(dim, keepdim=True), self.comm) / n)
 
     def extra_repr(self) -> str:
         how = "slabs reduced" if self.reduces else "slabs gathered"
-        return f"{type(self.pool).__name__}({self.pool.output_size}), {how}, output replicated"  # type: ignore[attr-defined]
+        size = self.pool.output_size  # type: ignore[attr-defined]
+        return f"{type(self.pool).__name__}({size}), {how}, output replicated"
 
 
 class SpatialFlatten(SpatialLayer):

@@ -74,7 +74,8 @@ class SpatialParallel(nn.Module):
         self.grad_comm = grad_comm if grad_comm is not None else comm
         if self.grad_comm.size % comm.size:
             raise ValueError(
-                f"SpatialParallel: grad_comm has {self.grad_comm.size} ranks, not a multiple of the spatial group's {comm.size}"
+                f"SpatialParallel: grad_comm has {self.grad_comm.size} ranks, not a multiple of the spatial "
+                f"group's {comm.size}"
             )
         self.context = SpatialContext()
         self.module = module
@@ -141,13 +142,14 @@ class SpatialParallel(nn.Module):
             layer.overlap = overlap
 
     def describe(self, rows: int) -> str:
-        """A text picture of every rank's slab, output rows and halos at each window layer, for an input of `rows` rows."""
+        """A text picture of each rank's slab, output rows and halos at every window layer, for `rows` input rows."""
         from hpdl.parallel.spatial.describe import describe_layers
 
         return describe_layers(self.layers, rows, self.comm.size)
 
     def __repr__(self) -> str:
-        return f"SpatialParallel(ranks={self.comm.size}, dim={self.dim}, layers={len(self.layers)}, module={self.module!r})"
+        layers = len(self.layers)
+        return f"SpatialParallel(ranks={self.comm.size}, dim={self.dim}, layers={layers}, module={self.module!r})"
 
 
 def spatial_layers(model: nn.Module) -> list[SpatialLayer]:
