@@ -37,3 +37,10 @@ def test_lab_runs_and_checks_its_claims():
     assert output.count("(equal to the mean of the local ones: True)") == 2, output
     assert output.count("(same: True)") == 2, output
     assert "False" not in output, output
+
+
+def test_spatial_lab_trains_on_slabs_like_one_process():
+    output = launch("lab_spatial.py", "--steps", "3")
+    assert output.count("(same: True)") == 2, output
+    assert output.count("holds it: True") == 2 and output.count("(falls: True)") == 2, output
+    assert "False" not in output, output

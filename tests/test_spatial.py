@@ -111,3 +111,26 @@ def gather_round_trip(comm):
 def test_gather_puts_the_slabs_together_and_returns_each_rank_its_rows_of_the_gradient(ranks):
     for rank, (same, grad, (start, end)) in enumerate(ranks("mpi", 3).run(gather_round_trip)):
         assert same and grad == [float(i) for i in range(start, end)], rank
+
+
+def activation_peaks(comm, shape):
+    """Peak bytes autograd saves for backward in one step: one process on the whole image, and this rank's slab."""
+    import torch.nn.functional as F
+
+    from hpdl.parallel.pipe.memory import ActivationMeter
+
+    x, y = make_data(shape, steps=1)
+    whole = ActivationMeter()
+    with whole:
+        F.cross_entropy(make_net(2)(x[0]), y[0]).backward()
+    model = SpatialParallel(make_net(2), comm, dim=2)
+    local = shard(x[0], comm, 2)
+    sliced = ActivationMeter()
+    with sliced:
+        F.cross_entropy(model(local), y[0]).backward()
+    return whole.peak, sliced.peak
+
+
+def test_each_rank_keeps_about_one_pth_of_the_activations(ranks):
+    for rank, (whole, sliced) in enumerate(ranks("mpi", 2).run(activation_peaks, (256, 32))):
+        assert sliced <= 0.5 * 1.15 * whole, f"rank {rank}: {sliced} bytes of {whole} ({sliced / whole:.3f})"
