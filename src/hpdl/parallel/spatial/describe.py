@@ -23,7 +23,7 @@ def describe_layers(layers: list[tuple[str, Any]], rows: int, ranks: int) -> str
                 f"{name}: {type(layer).__name__}: no halo (statistics over all slabs)" if layer.spatial_params else name
             )
             continue
-        windows = layer.windows(n)
+        windows = layer.windows(n, ranks)
         d = layer.split_dim - 2
         n_out = window_output_size(n, layer.kernel[d], layer.stride[d], layer.dilation[d], *layer.pad[d])
         lines.append(

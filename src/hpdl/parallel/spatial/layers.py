@@ -39,7 +39,7 @@ class SpatialLayer(nn.Module):
         self.context = context
         self.stats = HaloStats()
         self.overlap = True
-        self._windows: dict[int, list[Window]] = {}
+        self._windows: dict[tuple[int, int], list[Window]] = {}
 
     def rows(self, x: torch.Tensor) -> tuple[int, int]:
         return global_rows(x, self.split_dim, self.comm, self.context, self.layer_id, self.layer_name)
@@ -62,13 +62,15 @@ class _WindowLayer(SpatialLayer):
     mode: str
     fill: float
 
-    def windows(self, n_in: int) -> list[Window]:
-        found = self._windows.get(n_in)
+    def windows(self, n_in: int, parts: Optional[int] = None) -> list[Window]:
+        """Every rank's window for an input of `n_in` rows (over `parts` ranks: default, this layer's group)."""
+        parts = self.comm.size if parts is None else parts
+        found = self._windows.get((n_in, parts))
         if found is None:
             d = self.split_dim - 2
             found = plan_windows(
                 n_in,
-                self.comm.size,
+                parts,
                 kernel=self.kernel[d],
                 stride=self.stride[d],
                 dilation=self.dilation[d],
@@ -77,7 +79,7 @@ class _WindowLayer(SpatialLayer):
                 mode=self.mode,
                 layer=self.layer_name,
             )
-            self._windows[n_in] = found
+            self._windows[(n_in, parts)] = found
         return found
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

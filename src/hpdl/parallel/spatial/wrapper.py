@@ -141,11 +141,11 @@ class SpatialParallel(nn.Module):
         for _, layer in self.layers:
             layer.overlap = overlap
 
-    def describe(self, rows: int) -> str:
+    def describe(self, rows: int, ranks: Optional[int] = None) -> str:
         """A text picture of each rank's slab, output rows and halos at every window layer, for `rows` input rows."""
         from hpdl.parallel.spatial.describe import describe_layers
 
-        return describe_layers(self.layers, rows, self.comm.size)
+        return describe_layers(self.layers, rows, self.comm.size if ranks is None else ranks)
 
     def __repr__(self) -> str:
         layers = len(self.layers)
