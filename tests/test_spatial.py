@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hpdl.parallel.spatial import SpatialParallel, even_split, gather, plan_windows, shard
+from hpdl.parallel.spatial.cost import spatial_estimate
 from spatial_models import make_data, make_net, train
 
 TOL = 1e-10
@@ -128,9 +129,13 @@ def activation_peaks(comm, shape):
     sliced = ActivationMeter()
     with sliced:
         F.cross_entropy(model(local), y[0]).backward()
-    return whole.peak, sliced.peak
+    return whole.peak, sliced.peak, model.halo_stats.bytes_sent
 
 
-def test_each_rank_keeps_about_one_pth_of_the_activations(ranks):
-    for rank, (whole, sliced) in enumerate(ranks("mpi", 2).run(activation_peaks, (256, 32))):
+def test_each_rank_keeps_about_one_pth_of_the_activations_and_sends_the_planned_halos(ranks):
+    shape = (256, 32)
+    planned = spatial_estimate(make_net(2), (2, 2, *shape), parts=2)
+    for rank, (whole, sliced, sent) in enumerate(ranks("mpi", 2).run(activation_peaks, shape)):
         assert sliced <= 0.5 * 1.15 * whole, f"rank {rank}: {sliced} bytes of {whole} ({sliced / whole:.3f})"
+        assert sent == planned.halo_bytes_forward[rank], rank
+        assert planned.activation_bytes_per_rank(whole) >= 0.5 * whole
