@@ -242,33 +242,35 @@ def tp_conv_probe(gloo: Any) -> dict[str, Any]:
     w = torch.randn(4, 4, 3, 3, dtype=torch.float64)
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     torch.nn.functional.conv2d(xr, wr, padding=1).pow(2).sum().backward()
+    with torch.no_grad():
+        ref = torch.nn.functional.conv2d(x, w, padding=1)
+
+    def error(got: Any, want: Any) -> Any:
+        if got is None:
+            return "None (no gradient)"
+        if got.shape != want.shape:
+            return f"wrong shape {tuple(got.shape)} (want {tuple(want.shape)})"
+        return float((got - want).abs().max())
+
+    result: dict[str, Any] = {"runs": True}
     try:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         xd = distribute_tensor(x.clone(), mesh, [Shard(3)]).requires_grad_(True)
         wd = distribute_tensor(w.clone(), mesh, [Replicate()]).requires_grad_(True)
         y = torch.nn.functional.conv2d(xd, wd, padding=1)
-        y_full = y.full_tensor()  # type: ignore[attr-defined]
+        result["output_error"] = error(y.full_tensor(), ref)  # type: ignore[attr-defined]
+    except Exception as exc:
+        return {"runs": False, "error": f"forward: {type(exc).__name__}: {str(exc)[:200]}"}
+    try:
         y.pow(2).sum().backward()
-        with torch.no_grad():
-            ref = torch.nn.functional.conv2d(x, w, padding=1)
         gx = None if xd.grad is None else xd.grad.full_tensor()  # type: ignore[attr-defined]
         gw = None if wd.grad is None else wd.grad.full_tensor()  # type: ignore[attr-defined]
-
-        def error(got: Any, want: Any) -> Any:
-            if got is None:
-                return "None (no gradient)"
-            if got.shape != want.shape:
-                return f"wrong shape {tuple(got.shape)} (want {tuple(want.shape)})"
-            return float((got - want).abs().max())
-
-        return {
-            "runs": True,
-            "output_error": error(y_full, ref),
-            "input_grad_error": error(gx, xr.grad),
-            "weight_grad_error": error(gw, wr.grad),
-        }
+        result["input_grad_error"], result["weight_grad_error"] = error(gx, xr.grad), error(gw, wr.grad)
     except Exception as exc:
-        return {"runs": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        result["input_grad_error"] = result["weight_grad_error"] = (
+            f"backward raised {type(exc).__name__}: {str(exc)[:120]}"
+        )
+    return result
 
 
 # --------------------------------------------------------------------------- worker
