@@ -22,12 +22,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.spatial.partition import Window
+from hpdl.parallel.spatial.partition import Window, even_split
 
 __all__ = ["HaloStats", "halo_window_forward"]
 
 FORWARD_TAG, BACKWARD_TAG = 7000, 7001
 TAG_STRIDE = 2
+INTERIOR_PIECES = 4
+"""The interior is computed in this many row blocks, with the engine polled between them."""
 
 
 @dataclass
@@ -81,6 +83,11 @@ class _Exchange:
             self.stats.bytes_sent += payload.numel() * payload.element_size()
             self.works.append(self.comm.send(payload, q, tag=self.tag, async_op=True))
         self.stats.exchanges += 1
+
+    def poke(self) -> None:
+        """Let the engine advance the transfers in flight (a test of each, no waiting)."""
+        for work in self.works:
+            work.is_completed()
 
     def wait(self, works: list[Any]) -> None:
         started = time.perf_counter()
@@ -230,7 +237,12 @@ def halo_window_forward(
     interior = None
     if interior_rows > 0:
         started = time.perf_counter()
-        interior = op(x2.narrow(dim, own_offset + j_top * stride - n_top, (interior_rows - 1) * stride + kernel_span))
+        pieces = []
+        for j0, j1 in even_split(interior_rows, min(INTERIOR_PIECES, interior_rows)):
+            start = own_offset + (j_top + j0) * stride - n_top
+            pieces.append(op(x2.narrow(dim, start, (j1 - j0 - 1) * stride + kernel_span)))
+            exchange.poke()  # MPI moves a large message only inside a call: let it advance between pieces
+        interior = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
         stats.interior_seconds += time.perf_counter() - started
     top, bottom = _End.apply(x2, exchange)
     if interior is None:
