@@ -57,7 +57,7 @@ def test_an_unsupported_layer_is_named_before_any_compute(ranks):
 def spatial_train(comm, nd, shape, opt_name, overlap=True):
     x, y = make_data(shape)
     model = SpatialParallel(make_net(nd), comm, dim=2, overlap=overlap)
-    got = train(model.module if False else model, x, y, opt_name, prepare=lambda t: shard(t, comm, 2))
+    got = train(model, x, y, opt_name, prepare=lambda t: shard(t, comm, 2))
     start, end = even_split(shape[0], comm.size)[comm.rank]
     got["rows"] = (start, end)
     got["state"] = {k.removeprefix("module."): v for k, v in got["state"].items()}

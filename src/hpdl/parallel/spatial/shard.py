@@ -37,8 +37,6 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
         ctx.comm, ctx.dim = comm, dim
-        sizes = [0] * comm.size
-        sizes[comm.rank] = x.shape[dim]
         if comm.size == 1:
             return x.clone()
         counts = comm.allgather(torch.tensor([x.shape[dim]], dtype=torch.int64), sizes=[1] * comm.size).tolist()

@@ -29,7 +29,6 @@ from hpdl.parallel.data_parallel import broadcast_tensors
 from hpdl.parallel.spatial.convert import convert
 from hpdl.parallel.spatial.extent import SpatialContext, slab_sizes
 from hpdl.parallel.spatial.halo import HaloStats
-from hpdl.parallel.spatial.layers import SpatialLayer
 from hpdl.parallel.spatial.shard import gather
 
 __all__ = ["SpatialParallel"]
@@ -150,7 +149,3 @@ class SpatialParallel(nn.Module):
     def __repr__(self) -> str:
         layers = len(self.layers)
         return f"SpatialParallel(ranks={self.comm.size}, dim={self.dim}, layers={layers}, module={self.module!r})"
-
-
-def spatial_layers(model: nn.Module) -> list[SpatialLayer]:
-    return [m for m in model.modules() if isinstance(m, SpatialLayer)]
