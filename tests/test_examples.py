@@ -43,3 +43,10 @@ def test_torch_backend_lab_runs_ddp_on_gloo_and_hpdl_with_equal_parameters():
     output = launch("lab_torch_backend.py", "--steps", "10")
     assert output.count("(same: True)") == 2, output
     assert output.count("DDP on hpdl:") == 2 and output.count("DDP on gloo:") == 2, output
+
+
+def test_spatial_lab_trains_on_slabs_like_one_process():
+    output = launch("lab_spatial.py", "--steps", "3")
+    assert output.count("(same: True)") == 2, output
+    assert output.count("holds it: True") == 2 and output.count("(falls: True)") == 2, output
+    assert "False" not in output, output

@@ -119,6 +119,7 @@ STRATEGY_MODULES = {
     "zero": "hpdl.bench.train_zero",
     "pipeline": "hpdl.bench.train_pipeline",
     "hybrid": "hpdl.bench.train_hybrid",
+    "spatial": "hpdl.bench.train_spatial",
 }
 """`--strategy` values other than dp, each measured by its own module (with its own `launch(argv)`)."""
 

@@ -38,6 +38,7 @@ __all__ = [
     "model_states",
     "bubble_fraction",
     "in_flight",
+    "spatial_activation_bytes",
     "optimizer_traffic",
 ]
 
@@ -144,3 +145,11 @@ def in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) ->
     if schedule == "1f1b":
         return min(stages - stage, micro_batches)
     raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe' or '1f1b'")
+
+
+def spatial_activation_bytes(whole_bytes: float, parts: int, halo_bytes: float = 0.0) -> float:
+    """Activation bytes per rank of a spatial split in `parts` slabs: 1/parts of one process's, plus the halos
+    it receives (`hpdl.parallel.spatial.cost.spatial_estimate` counts them from the model's own windows)."""
+    if parts < 1:
+        raise ValueError(f"spatial_activation_bytes: parts={parts} must be at least 1")
+    return whole_bytes / parts + halo_bytes

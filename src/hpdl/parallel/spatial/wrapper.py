@@ -1,0 +1,151 @@
+"""`SpatialParallel`: every rank holds a slab of every activation of a CNN, and the whole model's weights.
+
+    comm = hpdl.init()
+    model = SpatialParallel(cnn, comm, dim=2)        # converts cnn's layers in place
+    loss = loss_fn(model(shard(image, comm)), label)  # a slab in, the replicated head's output out
+    loss.backward()                                   # weight gradients = one process's on the whole image
+    optimizer.step()
+
+Convolution, pooling and batch norm gradients of one slab are that slab's
+share of the whole image's gradient: they are summed over the group (in
+buckets, overlapped with backward, by hpdl's `GradientReducer`, as in
+`DataParallel`). The layers after the global pool run replicated and
+their gradients are already whole. With `grad_comm` (a group that contains
+`comm`'s ranks and their data-parallel peers: sample + spatial
+parallelism) gradients are averaged over the samples too.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from hpdl.comm.base import Communicator
+from hpdl.parallel.buckets import GradientReducer
+from hpdl.parallel.data_parallel import broadcast_tensors
+from hpdl.parallel.spatial.convert import convert
+from hpdl.parallel.spatial.extent import SpatialContext, slab_sizes
+from hpdl.parallel.spatial.halo import HaloStats
+from hpdl.parallel.spatial.shard import gather
+
+__all__ = ["SpatialParallel"]
+
+
+class SpatialParallel(nn.Module):
+    """Wrap `module` so that each rank of `comm` computes its slab of every activation along `dim`.
+
+    Arguments:
+        module: a plain CNN (`nn.Sequential` or a module whose submodules
+            are registered in execution order); converted in place.
+        comm: the spatial group (every rank holds one slab of the image).
+        dim: the split dimension (2: height of NCHW, depth of NCDHW).
+        grad_comm: the group over which gradients are averaged (default:
+            `comm`); for dp x sp, the group of all dp x sp ranks.
+        bucket_mb: megabytes per gradient bucket.
+        overlap: compute each layer's interior while its halos are in flight.
+        gather_output: gather the output slabs into the whole tensor on every
+            rank (for a model without a head: the first stage of a pipeline
+            whose later stages run whole).
+
+    The forward takes this rank's slab (`shard`) and returns, after a global
+    pool / Flatten, the replicated head's output; a model without a head
+    returns this rank's output slab (`gather` puts it together).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        dim: int = 2,
+        *,
+        grad_comm: Optional[Communicator] = None,
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+        gather_output: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"SpatialParallel wraps an nn.Module, got {type(module).__name__}")
+        self.comm, self.dim, self.gather_output = comm, dim, bool(gather_output)
+        self.grad_comm = grad_comm if grad_comm is not None else comm
+        if self.grad_comm.size % comm.size:
+            raise ValueError(
+                f"SpatialParallel: grad_comm has {self.grad_comm.size} ranks, not a multiple of the spatial "
+                f"group's {comm.size}"
+            )
+        self.context = SpatialContext()
+        self.module = module
+        self.layers = convert(module, comm, dim, self.context)
+        for _, layer in self.layers:
+            layer.overlap = overlap
+        spatial = {id(p) for _, layer in self.layers if layer.spatial_params for p in layer.parameters()}
+        self._hooks = []
+        if comm.size > 1:
+            scale = float(comm.size)
+            for p in module.parameters():
+                if id(p) in spatial and p.requires_grad:
+                    # a slab's share x P, then the group average = the sum of the shares
+                    self._hooks.append(p.register_hook(lambda g, s=scale: g * s))
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.reducer = GradientReducer(params, self.grad_comm, bucket_mb=bucket_mb, op="avg")
+        broadcast_tensors(self.grad_comm, [*module.parameters(), *module.buffers()], root=0)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if x.dim() <= self.dim:
+            raise ValueError(f"SpatialParallel: input of shape {tuple(x.shape)} has no dimension {self.dim} to split")
+        rows = sum(slab_sizes(x.shape[self.dim], self.comm, x.device))
+        shape = list(x.shape)
+        shape[self.dim] = rows
+        self.context.begin(tuple(shape))
+        out = self.module(x, *args, **kwargs)
+        if self.gather_output:
+            if not isinstance(out, torch.Tensor) or out.dim() <= self.dim:
+                raise ValueError(
+                    "SpatialParallel: gather_output needs the module to return a tensor with the split dimension"
+                )
+            out = gather(out, self.comm, self.dim)
+        return out
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next backward outside reduces them."""
+        previous = self.reducer.enabled
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce the current gradients now (collective), after `no_sync` passes."""
+        self.reducer.sync_now()
+
+    @property
+    def halo_stats(self) -> HaloStats:
+        """Halo traffic and waiting time summed over the layers (and per layer in `.layers`)."""
+        total = HaloStats()
+        for name, layer in self.layers:
+            total.add(layer.stats)
+            total.layers[name] = layer.stats
+        return total
+
+    def reset_halo_stats(self) -> None:
+        for _, layer in self.layers:
+            layer.stats = HaloStats()
+
+    def set_overlap(self, overlap: bool) -> None:
+        for _, layer in self.layers:
+            layer.overlap = overlap
+
+    def describe(self, rows: int, ranks: Optional[int] = None) -> str:
+        """A text picture of each rank's slab, output rows and halos at every window layer, for `rows` input rows."""
+        from hpdl.parallel.spatial.describe import describe_layers
+
+        return describe_layers(self.layers, rows, self.comm.size if ranks is None else ranks)
+
+    def __repr__(self) -> str:
+        layers = len(self.layers)
+        return f"SpatialParallel(ranks={self.comm.size}, dim={self.dim}, layers={layers}, module={self.module!r})"

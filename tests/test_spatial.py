@@ -1,0 +1,141 @@
+"""Spatial parallelism: P ranks, each holding a slab of every activation, train like one process on the whole image.
+
+Tolerances: float64; spatial parallelism changes only the order of sums
+(halo rows concatenated, batch-norm statistics merged, weight-gradient
+shares added), so results agree with one process to 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hpdl.parallel.spatial import SpatialParallel, even_split, gather, plan_windows, shard
+from hpdl.parallel.spatial.cost import spatial_estimate
+from spatial_models import make_data, make_net, train
+
+TOL = 1e-10
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+# ---------------------------------------------------------------------- one process
+def test_windows_cover_the_output_and_read_the_rows_a_strided_dilated_window_needs():
+    windows = plan_windows(29, 3, kernel=3, stride=2, dilation=2, pad_lo=2, pad_hi=2, mode="zeros", layer="conv")
+    assert [w.own for w in windows] == even_split(29, 3) == [(0, 10), (10, 20), (20, 29)]
+    assert [w.out for w in windows] == [(0, 5), (5, 10), (10, 15)]
+    # rank 1: outputs 5..9 read rows 5*2-2 = 8 .. 9*2-2+4 = 20
+    assert windows[1].need == (8, 21)
+    assert windows[1].top == [("peer", 0, 8), ("peer", 0, 9)] and windows[1].bottom == [("peer", 2, 0)]
+    assert windows[0].top == [("fill", 0, 0)] * 2
+    circular = plan_windows(9, 2, kernel=3, stride=1, dilation=1, pad_lo=1, pad_hi=1, mode="circular", layer="c")
+    assert circular[0].top == [("peer", 1, 3)] and circular[1].bottom == [("peer", 0, 0)]
+
+
+def test_a_slab_thinner_than_the_halo_is_an_error_that_says_the_smallest_size():
+    with pytest.raises(ValueError, match=r"conv7: rank 0's slab of 2 rows .* smallest slab it supports is 3 rows"):
+        plan_windows(5, 4, kernel=7, stride=1, dilation=1, pad_lo=3, pad_hi=3, mode="zeros", layer="conv7")
+    with pytest.raises(ValueError, match="fewer than the 4 ranks"):
+        plan_windows(6, 4, kernel=3, stride=2, dilation=1, pad_lo=0, pad_hi=0, mode="zeros", layer="c")
+
+
+def test_an_unsupported_layer_is_named_before_any_compute(ranks):
+    pool = ranks("self")
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), nn.AdaptiveAvgPool2d(1))
+    with pytest.raises(ValueError, match=r"layer '1\.1' \(LayerNorm\) cannot run on slabs"):
+        SpatialParallel(model, pool.comm)
+    # after the global pool the network runs replicated: anything goes there
+    SpatialParallel(
+        nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(2)), pool.comm
+    )
+
+
+# ---------------------------------------------------------------------- N ranks
+def spatial_train(comm, nd, shape, opt_name, overlap=True):
+    x, y = make_data(shape)
+    model = SpatialParallel(make_net(nd), comm, dim=2, overlap=overlap)
+    got = train(model, x, y, opt_name, prepare=lambda t: shard(t, comm, 2))
+    start, end = even_split(shape[0], comm.size)[comm.rank]
+    got["rows"] = (start, end)
+    got["state"] = {k.removeprefix("module."): v for k, v in got["state"].items()}
+    got["grads"] = {k.removeprefix("module."): v for k, v in got["grads"].items()}
+    return got
+
+
+def check_against_one_process(results, nd, shape, opt_name):
+    x, y = make_data(shape)
+    want = train(make_net(nd), x, y, opt_name)
+    for rank, got in enumerate(results):
+        what = f"rank {rank} of {len(results)}"
+        assert close(got["logits"], want["logits"]) <= TOL, what
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= TOL, what
+        start, end = got["rows"]
+        assert close(got["input_grad"], want["input_grad"][:, :, start:end]) <= TOL, what
+        for name, g in want["grads"].items():
+            assert close(got["grads"][name], g) <= TOL, f"{what}: grad {name}"
+        assert got["state"].keys() == want["state"].keys()
+        for name, v in want["state"].items():
+            assert close(got["state"][name], v) <= TOL, f"{what}: {name} after {len(got['losses'])} steps"
+
+
+@pytest.mark.parametrize(
+    "nprocs, nd, shape, opt_name",
+    [
+        (2, 2, (29, 11), "sgd"),
+        (3, 2, (37, 9), "adam"),
+        (4, 2, (53, 7), "sgd"),
+        (2, 3, (27, 6, 5), "adam"),
+        (3, 3, (29, 6, 5), "sgd"),
+    ],
+)
+def test_spatial_training_equals_one_process_on_the_whole_image(ranks, nprocs, nd, shape, opt_name):
+    results = ranks("mpi", nprocs).run(spatial_train, nd, shape, opt_name, timeout=120)
+    check_against_one_process(results, nd, shape, opt_name)
+
+
+def test_without_overlap_the_same_numbers(ranks):
+    results = ranks("mpi", 3).run(spatial_train, 2, (37, 9), "sgd", False, timeout=120)
+    check_against_one_process(results, 2, (37, 9), "sgd")
+
+
+def gather_round_trip(comm):
+    x = torch.arange(2 * 3 * 11 * 4, dtype=torch.float64).view(2, 3, 11, 4).requires_grad_(True)
+    local = shard(x.detach(), comm, 2).requires_grad_(True)
+    full = gather(local, comm, 2)
+    (full * torch.arange(11.0, dtype=torch.float64).view(1, 1, 11, 1)).sum().backward()
+    return bool(torch.equal(full, x.detach())), local.grad[0, 0, :, 0].tolist(), even_split(11, comm.size)[comm.rank]
+
+
+def test_gather_puts_the_slabs_together_and_returns_each_rank_its_rows_of_the_gradient(ranks):
+    for rank, (same, grad, (start, end)) in enumerate(ranks("mpi", 3).run(gather_round_trip)):
+        assert same and grad == [float(i) for i in range(start, end)], rank
+
+
+def activation_peaks(comm, shape):
+    """Peak bytes autograd saves for backward in one step: one process on the whole image, and this rank's slab."""
+    import torch.nn.functional as F
+
+    from hpdl.parallel.pipe.memory import ActivationMeter
+
+    x, y = make_data(shape, steps=1)
+    whole = ActivationMeter()
+    with whole:
+        F.cross_entropy(make_net(2)(x[0]), y[0]).backward()
+    model = SpatialParallel(make_net(2), comm, dim=2)
+    local = shard(x[0], comm, 2)
+    sliced = ActivationMeter()
+    with sliced:
+        F.cross_entropy(model(local), y[0]).backward()
+    return whole.peak, sliced.peak, model.halo_stats.bytes_sent
+
+
+def test_each_rank_keeps_about_one_pth_of_the_activations_and_sends_the_planned_halos(ranks):
+    shape = (256, 32)
+    planned = spatial_estimate(make_net(2), (2, 2, *shape), parts=2)
+    for rank, (whole, sliced, sent) in enumerate(ranks("mpi", 2).run(activation_peaks, shape)):
+        assert sliced <= 0.5 * 1.15 * whole, f"rank {rank}: {sliced} bytes of {whole} ({sliced / whole:.3f})"
+        assert sent == planned.halo_bytes_forward[rank], rank
+        assert planned.activation_bytes_per_rank(whole) >= 0.5 * whole
