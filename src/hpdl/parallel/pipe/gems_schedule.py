@@ -35,6 +35,8 @@ __all__ = ["GemsAction", "GemsSchedule", "gems_bubble", "gems_peak_bound", "REPL
 
 REPLICA_NAMES = ("A", "B")
 FORWARD_SLOTS, BACKWARD_SLOTS = 1, 2
+RULES = ("oldest", "unblock")
+"""Tie-breaks of the list scheduling; the schedule keeps the shorter grid."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class GemsSchedule(Schedule):
         """Micro-batches of replica A and of replica B."""
         self.stages = stages
         self.microbatches = microbatches
-        self._actions, self._ends = self._merge(FORWARD_SLOTS, BACKWARD_SLOTS)
+        self._actions, self._ends = self._best(FORWARD_SLOTS, BACKWARD_SLOTS)
 
     def stage_of(self, replica: int, rank: int) -> int:
         """The stage of `replica` that `rank` holds."""
@@ -72,14 +74,21 @@ class GemsSchedule(Schedule):
         return stage if replica == 0 else self.stages - 1 - stage
 
     # ------------------------------------------------------------------ list scheduling
-    def _merge(self, forward: int, backward: int) -> tuple[list[list[Action]], dict]:
+    def _best(self, forward: int, backward: int) -> tuple[list[list[Action]], dict]:
+        """The shorter of two list schedules (ties: the first), so the grid is never longer than needed."""
+        options = [self._merge(forward, backward, rule) for rule in RULES]
+        return min(options, key=lambda option: max(option[1].values()))
+
+    def _merge(self, forward: int, backward: int, rule: str = "oldest") -> tuple[list[list[Action]], dict]:
         """Each rank's merged order, by simulating the dependencies on a time grid; and every action's end slot.
 
         A rank runs, among the actions whose inputs are there, the one that can
-        start first; ties go to the oldest micro-batch, then a backward, then
-        replica A. Forwards and backwards of one replica's stage each keep
-        micro-batch order, and a stage s starts a forward only while it holds
-        fewer than p - s micro-batches of that replica (1F1B's bound).
+        start first; ties go (rule "oldest") to the oldest micro-batch, then a
+        backward, then replica A, or (rule "unblock") first to an action whose
+        output another rank waits for, then a forward. Forwards and backwards
+        of one replica's stage each keep micro-batch order, and a stage s
+        starts a forward only while it holds fewer than p - s micro-batches of
+        that replica (1F1B's bound).
         """
         p = self.stages
         forwards = [[0, 0] for _ in range(p)]  # per rank, per replica: next forward / backward micro-batch
@@ -89,7 +98,7 @@ class GemsSchedule(Schedule):
         orders: list[list[Action]] = [[] for _ in range(p)]
         total = 2 * p * self.microbatches
         while len(ends) < total:
-            best: Optional[tuple[int, int, int, int, int, str]] = None  # start, micro-batch, F?, replica, rank, kind
+            best: Optional[tuple] = None  # (start, tie-break..., replica, rank, kind)
             for rank in range(p):
                 for replica in (0, 1):
                     stage, n = self.stage_of(replica, rank), self.split[replica]
@@ -104,12 +113,18 @@ class GemsSchedule(Schedule):
                         if dep is not None and dep not in ends:
                             continue
                         start = max(cursor[rank], ends[dep] if dep is not None else 0)
-                        key = (start, k, int(kind == "F"), replica, rank, kind)
+                        if rule == "oldest":
+                            order = (k, int(kind == "F"))
+                        else:
+                            feeds = (kind == "F" and stage < p - 1) or (kind == "B" and stage > 0)
+                            order = (int(not feeds), int(kind == "B"))
+                        key = (start, *order, replica, rank, kind)
                         if best is None or key < best:
                             best = key
             if best is None:  # pragma: no cover - a schedule bug, not a user error
                 raise RuntimeError(f"gems schedule deadlocks at forwards {forwards}, backwards {backwards}")
-            start, k, _, replica, rank, kind = best
+            start, replica, rank, kind = best[0], best[-3], best[-2], best[-1]
+            k = forwards[rank][replica] if kind == "F" else backwards[rank][replica]
             (forwards if kind == "F" else backwards)[rank][replica] += 1
             cost = forward if kind == "F" else backward
             cursor[rank] = ends[(replica, kind, self.stage_of(replica, rank), k)] = start + cost
@@ -129,8 +144,8 @@ class GemsSchedule(Schedule):
     # ------------------------------------------------------------------ what the grid shows
     def timeline(self, forward: int = FORWARD_SLOTS, backward: int = BACKWARD_SLOTS) -> list[list[Optional[Action]]]:
         """Per rank, per time slot, the action running there (None: idle)."""
-        _, ends = self._merge(forward, backward) if (forward, backward) != (FORWARD_SLOTS, BACKWARD_SLOTS) else (
-            None, self._ends)  # fmt: skip
+        same = (forward, backward) == (FORWARD_SLOTS, BACKWARD_SLOTS)
+        ends = self._ends if same else self._best(forward, backward)[1]
         length = max(ends.values())
         grid: list[list[Optional[Action]]] = [[None] * length for _ in range(self.stages)]
         for (replica, kind, stage, k), end in ends.items():
