@@ -46,7 +46,7 @@ class Options:
     ranks: int = 2
     quick: bool = False
     out: str = "bench-results/gems"
-    models: tuple[str, ...] = ("mlp",)
+    models: tuple[str, ...] = ("act", "mlp")
     chunks: int = 4
     rounds: int = 7
     steps: int = 5
@@ -69,7 +69,8 @@ def parse(argv: Sequence[str]) -> Options:
     parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks = stages (default 2)")
     parser.add_argument("--quick", action="store_true", help="small models, few rounds (a smoke test)")
     parser.add_argument("--out", default="bench-results/gems", help="output folder (default bench-results/gems)")
-    parser.add_argument("--models", nargs="+", choices=["mlp", "transformer"], help="models (default: mlp)")
+    parser.add_argument("--models", nargs="+", choices=["act", "mlp", "transformer"],
+                        help="models (default: act mlp; act: activation-heavy, GEMS' regime)")
     parser.add_argument("--chunks", type=_positive(int), default=4, help="micro-batches per step, even (default 4)")
     parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
     parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
@@ -81,7 +82,7 @@ def parse(argv: Sequence[str]) -> Options:
     if ns.chunks % 2:
         parser.error(f"--chunks {ns.chunks}: gems splits the micro-batches between two replicas; pass an even number")
     return Options(
-        ranks=ns.ranks, quick=bool(ns.quick), out=ns.out, models=tuple(ns.models or ("mlp",)), chunks=ns.chunks,
+        ranks=ns.ranks, quick=bool(ns.quick), out=ns.out, models=tuple(ns.models or ("act", "mlp")), chunks=ns.chunks,
         rounds=ns.rounds or (2 if ns.quick else 7), steps=ns.steps or (2 if ns.quick else 5),
         warmup=1 if ns.quick else 2, timeout=ns.timeout, worker=bool(ns.worker),
     )  # fmt: skip
@@ -89,6 +90,26 @@ def parse(argv: Sequence[str]) -> Options:
 
 def launch(argv: list[str]) -> int:
     return report.launch_benchmark("hpdl bench train --strategy gems", "hpdl.bench.train_gems", parse, argv)
+
+
+def activation_heavy(quick: bool) -> Any:
+    """GEMS' regime: activations much larger than the weights (8 x Linear(256, 256), batch 2048)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from hpdl.bench.train_pipeline import Workload
+
+    width, batch, depth = (64, 256, 8) if quick else (256, 2048, 8)
+
+    def layers() -> list:
+        return [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)] + [nn.Linear(width, 10)]
+
+    def data(g: Any) -> tuple:
+        return torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+    text = f"{depth} x Linear({width}, {width}) + ReLU, batch {batch} (activations >> weights)"
+    return Workload("act", batch, text, layers, data, F.cross_entropy)
 
 
 def _compute_only(pipe: Any, layers: list, counts: list[int], batch: tuple, chunks: int, loss: Any) -> float:
@@ -146,7 +167,7 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
     from hpdl.parallel.pipe.balance import even
     from hpdl.parallel.pipe.memory import ActivationMeter
 
-    w = workload(name, options.quick)
+    w = activation_heavy(options.quick) if name == "act" else workload(name, options.quick)
     g = torch.Generator().manual_seed(1234)
     batches = [w.data(g) for _ in range(4)]
     counts = even(len(w.layers()), comm.size)
