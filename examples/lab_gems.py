@@ -68,7 +68,7 @@ def main() -> None:
     opt = torch.optim.SGD(pipe.parameters(), lr=0.2, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     losses = []
-    for step in range(args.steps):
+    for _ in range(args.steps):
         rows = torch.randint(0, len(y), (args.batch,), generator=g)
         opt.zero_grad()
         loss = pipe.step(x[rows], y[rows], loss_fn)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pipeline import STEPS, loss_fn, make_data, make_model, train_reference
 
 from hpdl.parallel import Pipeline
 from hpdl.parallel.pipe.gems_schedule import GemsSchedule, gems_bubble, gems_peak_bound
 from hpdl.parallel.pipe.schedule import bubble_fraction
+from test_pipeline import STEPS, loss_fn, make_data, make_model, train_reference
 
 TOL = 1e-10
 
@@ -46,7 +46,10 @@ def gems_train(comm, cfg: dict) -> dict:
         opt.step()
         losses.append(float(loss))
     copies = {}
-    for name, layers, first in (("A", pipe.layers, pipe.first_layer), ("B", pipe.mirror_layers, pipe.mirror_first_layer)):
+    for name, layers, first in (
+        ("A", pipe.layers, pipe.first_layer),
+        ("B", pipe.mirror_layers, pipe.mirror_first_layer),
+    ):
         for n, p in layers.named_parameters():
             index, rest = n.split(".", 1)
             copies[f"{name}:{first + int(index)}.{rest}"] = p.detach().clone()

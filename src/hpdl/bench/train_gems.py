@@ -69,8 +69,12 @@ def parse(argv: Sequence[str]) -> Options:
     parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks = stages (default 2)")
     parser.add_argument("--quick", action="store_true", help="small models, few rounds (a smoke test)")
     parser.add_argument("--out", default="bench-results/gems", help="output folder (default bench-results/gems)")
-    parser.add_argument("--models", nargs="+", choices=["act", "mlp", "transformer"],
-                        help="models (default: act mlp; act: activation-heavy, GEMS' regime)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=["act", "mlp", "transformer"],
+        help="models (default: act mlp; act: activation-heavy, GEMS' regime)",
+    )
     parser.add_argument("--chunks", type=_positive(int), default=4, help="micro-batches per step, even (default 4)")
     parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
     parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
@@ -180,7 +184,8 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
         opts.append(torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9))
 
     def step(i: int, b: int) -> float:
-        pipe, x, y = pipes[i], *batches[b % len(batches)]
+        pipe = pipes[i]
+        x, y = batches[b % len(batches)]
         loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, w.loss)
         opts[i].step()
         opts[i].zero_grad()

@@ -80,9 +80,7 @@ class BranchParallel(nn.Module):
             return list(range(size)) if self.count == size else placing.assign(self.costs, size)
         owner = list(placement)
         if len(owner) != self.count or any(not isinstance(r, int) or not 0 <= r < size for r in owner):
-            raise ValueError(
-                f"placement={owner} must give a rank in [0, {size}) for each of the {self.count} branches"
-            )
+            raise ValueError(f"placement={owner} must give a rank in [0, {size}) for each of the {self.count} branches")
         if set(owner) != set(range(size)):
             raise ValueError(
                 f"placement={owner} leaves ranks {sorted(set(range(size)) - set(owner))} without a branch; every rank "
@@ -121,7 +119,9 @@ class BranchParallel(nn.Module):
                     shapes[i] = shape
             dim = self.dim % len(shapes[0])
             for i, shape in enumerate(shapes):
-                if len(shape) != len(shapes[0]) or any(a != b for d, (a, b) in enumerate(zip(shape, shapes[0])) if d != dim):
+                if len(shape) != len(shapes[0]) or any(
+                    a != b for d, (a, b) in enumerate(zip(shape, shapes[0])) if d != dim
+                ):
                     raise ValueError(
                         f"merge='concat' along dim {self.dim}: branch {i} gives {list(shape)}, branch 0 gives "
                         f"{list(shapes[0])}; every other dimension must agree"

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel import Pipeline
+from hpdl.parallel.pipeline import Pipeline
 from hpdl.parallel.pipe import balance as balancing
 from hpdl.parallel.pipe import microbatch
 from hpdl.parallel.pipe.engine import PREDICT, TRAIN, StageEngine
@@ -145,7 +145,10 @@ class GemsPipeline(Pipeline):
     def _build(self, layers: list, stage: int, seed: Optional[int]) -> nn.Sequential:
         start = sum(self.balance[:stage])
         return nn.Sequential(
-            *[balancing.build(spec, start + i, seed) for i, spec in enumerate(layers[start : start + self.balance[stage]])]
+            *[
+                balancing.build(spec, start + i, seed)
+                for i, spec in enumerate(layers[start : start + self.balance[stage]])
+            ]
         )
 
     def _sync_copies(self) -> None:
@@ -159,9 +162,10 @@ class GemsPipeline(Pipeline):
             return
         if not mine and not mirror:
             return
-        box = torch.empty(sum(t.numel() for t in mirror), dtype=_common_dtype(mirror)) if mirror else None
+        box: Optional[torch.Tensor] = None
         works = []
         if mirror:
+            box = torch.empty(sum(t.numel() for t in mirror), dtype=_common_dtype(mirror))
             works.append(self.comm.recv(box, self.partner, tag=TAG_PARAMS, async_op=True))
         if mine:
             works.append(self.comm.send(_flat(mine), self.partner, tag=TAG_PARAMS, async_op=True))
