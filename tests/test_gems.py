@@ -148,3 +148,19 @@ def test_gems_bad_arguments_say_what_to_do():
         Pipeline(make_model("mlp"), comm, schedule="gems", chunks=3)
     with pytest.raises(ValueError, match="no wrap_stage"):
         Pipeline(make_model("mlp"), comm, schedule="gems", wrap_stage=lambda m: m)
+
+
+def test_the_planner_knows_the_gems_schedule():
+    from hpdl.plan.cost import Candidate, CostModel, Workload
+    from hpdl.plan.memory import gems_bubble_fraction, in_flight
+    from hpdl.plan.models import reference_profile
+    from hpdl.plan.presets import preset_cluster
+
+    assert in_flight("gems", 2, 8, 0) == 2 and in_flight("gems", 4, 8, 1) == GemsSchedule(4, 8).peak_live(1)
+    assert gems_bubble_fraction(2, 8) == 0.0 and gems_bubble_fraction(4, 8) == pytest.approx(5 / 29)
+    model = CostModel(reference_profile("gpt2"), preset_cluster("a100", nodes=1, devices_per_node=8),
+                      Workload(batch=64, precision="fp32"))  # fmt: skip
+    gems, one = (model.estimate(Candidate(4, 2, 1, 0, 8, s, "never")) for s in ("gems", "1f1b"))
+    assert gems.bubble_s == 0.0 < one.bubble_s  # 2 stages: GEMS fills the bubble
+    # ... at the price of a second copy of every stage's model states on each device
+    assert gems.memory["params"] == pytest.approx(2 * one.memory["params"], rel=0.2)
