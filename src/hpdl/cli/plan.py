@@ -63,8 +63,13 @@ def _search_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (default 25)")
     parser.add_argument("--seq", type=int, help="sequence length of a reference transformer (default: published)")
     parser.add_argument("--max-micro-batches", type=int, default=256)
-    parser.add_argument("--schedules", nargs="+", choices=["1f1b", "gpipe", "gems"], default=["1f1b", "gpipe"],
-                        help="pipeline schedules to search (default 1f1b gpipe; gems: two mirrored replicas)")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=["1f1b", "gpipe", "gems"],
+        default=["1f1b", "gpipe"],
+        help="pipeline schedules to search (default 1f1b gpipe; gems: two mirrored replicas)",
+    )
     parser.add_argument("--top", type=int, default=10, help="rows of the ranking table (default 10)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
     parser.add_argument("--out", help="write the best plan as a plan file (.toml or .json) for hpdl.parallel.build")
@@ -129,8 +134,10 @@ def write_plan(result: Any, path: str) -> str:
     if not path.endswith((".toml", ".json")):
         raise ValueError(f"--out {path!r}: a plan file ends in .toml or .json")
     if result.best.candidate.schedule == "gems" and result.best.candidate.pp > 1:
-        raise ValueError("--out: the best plan runs schedule='gems', which plan files and build() do not take; build "
-                         "it with Pipeline(model, pp, schedule='gems', data_parallel=dp), or search without gems")  # fmt: skip
+        raise ValueError(
+            "--out: the best plan runs schedule='gems', which plan files and build() do not take; build it with "
+            "Pipeline(model, pp, schedule='gems', data_parallel=dp), or search without gems"
+        )
     return str(result.best_plan().to_file(path))
 
 

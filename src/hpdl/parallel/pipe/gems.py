@@ -32,13 +32,13 @@ import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.pipeline import Pipeline
 from hpdl.parallel.pipe import balance as balancing
 from hpdl.parallel.pipe import microbatch
 from hpdl.parallel.pipe.engine import PREDICT, TRAIN, StageEngine
 from hpdl.parallel.pipe.errors import PipelineError
 from hpdl.parallel.pipe.gems_schedule import GemsSchedule
 from hpdl.parallel.pipe.p2p import Link
+from hpdl.parallel.pipeline import Pipeline
 
 __all__ = ["GemsPipeline", "GemsStats"]
 
