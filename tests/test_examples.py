@@ -50,3 +50,16 @@ def test_spatial_lab_trains_on_slabs_like_one_process():
     assert output.count("(same: True)") == 2, output
     assert output.count("holds it: True") == 2 and output.count("(falls: True)") == 2, output
     assert "False" not in output, output
+
+
+def test_gems_lab_fills_the_bubble_and_matches_one_process():
+    output = launch("lab_gems.py", "--steps", "20")
+    assert "at most half: True" in output, output
+    assert output.count("(same: True)") == 2 and output.count("(fell: True)") == 2, output
+    assert output.count("ran exactly the schedule: True") == 2, output
+
+
+def test_branch_lab_places_branches_and_matches_one_process():
+    output = launch("lab_branch.py", "--steps", "40")
+    assert output.count("stem grad equal: True") == 2, output
+    assert output.count("(same: True)") == 2 and output.count("(fell: True)") == 2, output

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         default="dp",
         choices=["dp", *STRATEGY_MODULES],
-        help="parallel strategy (dp: data parallel; zero, pipeline, hybrid: see their own --help)",
+        help="parallel strategy (dp: data parallel; zero, pipeline, hybrid, gems, branch: see their own --help)",
     )
     parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="MPI processes (default 2)")
     parser.add_argument("--quick", action="store_true", help="few rounds and steps (a smoke test, seconds)")
@@ -120,6 +120,8 @@ STRATEGY_MODULES = {
     "pipeline": "hpdl.bench.train_pipeline",
     "hybrid": "hpdl.bench.train_hybrid",
     "spatial": "hpdl.bench.train_spatial",
+    "gems": "hpdl.bench.train_gems",
+    "branch": "hpdl.bench.train_branch",
 }
 """`--strategy` values other than dp, each measured by its own module (with its own `launch(argv)`)."""
 

@@ -63,6 +63,13 @@ def _search_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (default 25)")
     parser.add_argument("--seq", type=int, help="sequence length of a reference transformer (default: published)")
     parser.add_argument("--max-micro-batches", type=int, default=256)
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=["1f1b", "gpipe", "gems"],
+        default=["1f1b", "gpipe"],
+        help="pipeline schedules to search (default 1f1b gpipe; gems: two mirrored replicas)",
+    )
     parser.add_argument("--top", type=int, default=10, help="rows of the ranking table (default 10)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
     parser.add_argument("--out", help="write the best plan as a plan file (.toml or .json) for hpdl.parallel.build")
@@ -98,7 +105,8 @@ def _search(argv: list[str]) -> int:
     cluster = parse_cluster(ns.cluster)
     workload = Workload(batch=ns.batch, precision=ns.precision, optimizer=ns.optimizer, bucket_mb=ns.bucket_mb)
     profile = load_profile(ns.model, ns.precision, ns.seq)
-    result = search(profile, cluster, workload, devices=ns.devices, max_micro_batches=ns.max_micro_batches)
+    result = search(profile, cluster, workload, devices=ns.devices, max_micro_batches=ns.max_micro_batches,
+                    schedules=tuple(ns.schedules))  # fmt: skip
     written = None
     if ns.out and result.best is not None:
         written = write_plan(result, ns.out)
@@ -125,6 +133,11 @@ def write_plan(result: Any, path: str) -> str:
     """Write the best plan with `hpdl.parallel.Plan.to_file` (the mesh's own writer, so build() reads it)."""
     if not path.endswith((".toml", ".json")):
         raise ValueError(f"--out {path!r}: a plan file ends in .toml or .json")
+    if result.best.candidate.schedule == "gems" and result.best.candidate.pp > 1:
+        raise ValueError(
+            "--out: the best plan runs schedule='gems', which plan files and build() do not take; build it with "
+            "Pipeline(model, pp, schedule='gems', data_parallel=dp), or search without gems"
+        )
     return str(result.best_plan().to_file(path))
 
 

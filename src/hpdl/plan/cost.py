@@ -20,7 +20,7 @@ from typing import Any
 
 from hpdl.plan import collectives as coll
 from hpdl.plan.cluster import Cluster
-from hpdl.plan.memory import in_flight, optimizer_traffic, state_bytes
+from hpdl.plan.memory import gems_bubble_fraction, in_flight, optimizer_traffic, state_bytes
 from hpdl.plan.profile import ModelProfile
 
 __all__ = ["Workload", "Candidate", "Estimate", "CostModel", "balance", "explain_breakdown", "RECOMPUTE"]
@@ -282,8 +282,13 @@ class CostModel:
             acts = t[6] * alive + t[7]
             per_stage.append((*t[:5], {**t[5], "activations": acts}))
         times = [r[0] + r[1] + r[2] for r in per_stage]
+        if c.schedule == "gems" and p > 1:
+            per_stage, times = self._gems(c, stages, per_stage, times, stride_pp, g)
         j = max(range(p), key=lambda k: times[k])
         bubble = sum(times) - times[j] if p > 1 else 0.0
+        if c.schedule == "gems" and p > 1:  # (G1) the schedule's counted idle share of the step
+            frac = gems_bubble_fraction(p, m)
+            bubble = m * times[j] * frac / (1 - frac)
         dp_t = max(r[3] for r in per_stage)
         opt_t = max(r[4] for r in per_stage)
         step = m * times[j] + bubble + dp_t + opt_t
@@ -305,6 +310,30 @@ class CostModel:
             stage_layers=tuple(self.split(c.pp)),
             samples_per_s=wl.batch / step if step > 0 else math.inf,
         )
+
+    def _gems(self, c: Candidate, stages: list, per_stage: list, times: list, stride: int, g: int) -> tuple:
+        """GEMS-MASTER (G1-G3): device i runs stage i and stage p-1-i on half the micro-batches each.
+
+        G1: time per micro-batch slot = the mean of its two stages'. G2: model
+        states of both stages; activations: the schedule's peak on this device
+        (both replicas) x the larger of the two stages' share per micro-batch.
+        G3: the mirrored copy's gradients go to the partner device once per
+        step (counted as exposed), and the optimizer updates both copies.
+        """
+        p = len(per_stage)
+        out, slots = [], []
+        for i in range(p):
+            mine, mirror = per_stage[i], per_stage[p - 1 - i]
+            slots.append((times[i] + times[p - 1 - i]) / 2)
+            mem = {k: mine[5][k] + (mirror[5][k] if i != p - 1 - i else mine[5][k]) for k in mine[5]}
+            # activations: each entry already counts this device's peak of the gems schedule (both replicas)
+            mem["activations"] = max(mine[5]["activations"], mirror[5]["activations"])
+            grads = stages[p - 1 - i].params * self.bytes.grad
+            same_node = (i * stride) // g == ((p - 1 - i) * stride) // g
+            link = self.cluster.intra if same_node else self.cluster.inter
+            exchange = coll.p2p(link, grads) if i != p - 1 - i else 0.0
+            out.append((*mine[:3], mine[3] + exchange, mine[4] + mirror[4], mem))
+        return out, slots
 
     def _stage(
         self,

@@ -37,6 +37,7 @@ __all__ = [
     "ModelStates",
     "model_states",
     "bubble_fraction",
+    "gems_bubble_fraction",
     "in_flight",
     "spatial_activation_bytes",
     "optimizer_traffic",
@@ -144,7 +145,18 @@ def in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0) ->
         return micro_batches
     if schedule == "1f1b":
         return min(stages - stage, micro_batches)
-    raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe' or '1f1b'")
+    if schedule == "gems":  # both replicas together, counted on the schedule (hpdl.parallel.pipe.gems_schedule)
+        from hpdl.parallel.pipe.gems_schedule import GemsSchedule
+
+        return GemsSchedule(stages, micro_batches).peak_live(stage)
+    raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe', '1f1b' or 'gems'")
+
+
+def gems_bubble_fraction(stages: int, micro_batches: int) -> float:
+    """GEMS-MASTER's idle share of a step with equal stages: 0 on 2 ranks, counted on its schedule's grid otherwise."""
+    from hpdl.parallel.pipe.gems_schedule import gems_bubble
+
+    return gems_bubble(stages, micro_batches)
 
 
 def spatial_activation_bytes(whole_bytes: float, parts: int, halo_bytes: float = 0.0) -> float:

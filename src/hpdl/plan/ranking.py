@@ -69,8 +69,8 @@ def candidates(
                     if m > max_micro_batches:
                         break
                     for schedule in schedules:
-                        if schedule == "1f1b" and m < pp:
-                            continue
+                        if (schedule == "1f1b" and m < pp) or (schedule == "gems" and (m % 2 or zero or tp > 1)):
+                            continue  # gems: an even m; its copies' reduction takes neither ZeRO nor tp
                         for rc in recompute:
                             yield Candidate(dp, pp, tp, zero, m, schedule, rc)
 

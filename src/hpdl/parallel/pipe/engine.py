@@ -154,6 +154,10 @@ class StageEngine:
         return loss if mode == TRAIN else result
 
     def _run(self, mode: int, x: Any, y: Any, loss_fn: Any) -> Any:
+        return self.prepare(mode, x, y, loss_fn).go(self.stats)
+
+    def prepare(self, mode: int, x: Any, y: Any, loss_fn: Any) -> _Step:
+        """Exchange the step header and cut the batch: the step, ready to run action by action (`_Step.do`)."""
         header = self._header(mode, x)
         _, m, shapes_id, rows, new, _ = header
         if header[0] != mode:
@@ -176,9 +180,10 @@ class StageEngine:
                 )
             ys = microbatch.split(y, self.chunks, "y")
         weights = [n / rows for n in microbatch.sizes(rows, self.chunks)]
-        stats = self.stats = StepStats(microbatches=m)
+        self.stats = StepStats(microbatches=m)
         run = _Step(self, mode, m, shapes_id, bool(new), xs, ys, weights, loss_fn)
-        return run.go(stats)
+        run.rows = rows
+        return run
 
     def _header(self, mode: int, x: Any) -> list[int]:
         if self.first:
@@ -211,6 +216,7 @@ class _Step:
         self.new = new
         self.xs, self.ys, self.weights = xs, ys, weights
         self.loss_fn = loss_fn
+        self.rows = 0
         self.actions = engine.schedule(m).actions(engine.stage) if mode == TRAIN else [Action("F", k) for k in range(m)]
         self.inbox: dict[int, tuple[Spec, tuple[torch.Tensor, ...], list]] = {}
         self.gradbox: dict[int, tuple[Spec, tuple[torch.Tensor, ...], list]] = {}
@@ -222,14 +228,23 @@ class _Step:
         self.last_backward = last_backward[-1] if last_backward else -1
 
     def go(self, stats: StepStats) -> Any:
+        for index in range(len(self.actions)):
+            self.do(index, stats)
+        return self.result()
+
+    def do(self, index: int, stats: StepStats) -> None:
+        """Run action `index` of this stage's list (its receives posted ahead first)."""
         self.stats = stats
-        for index, action in enumerate(self.actions):
-            self._prefetch(index)
-            if action.kind == "F":
-                self._forward(action.microbatch)
-            else:
-                self._backward(action.microbatch, index == self.last_backward)
-            self.link.reap()
+        action = self.actions[index]
+        self._prefetch(index)
+        if action.kind == "F":
+            self._forward(action.microbatch)
+        else:
+            self._backward(action.microbatch, index == self.last_backward)
+        self.link.reap()
+
+    def result(self) -> Any:
+        """After the last action: the weighted loss (train) or the joined outputs on the last stage (predict)."""
         if self.mode == PREDICT:
             return microbatch.join(self.outputs) if self.e.last else None
         return self.loss

@@ -44,8 +44,10 @@ class Pipeline:
         comm: the pipeline's communicator (a `comm.split` sub-group in a
             dp x pp layout); every rank of it builds the same Pipeline.
         chunks: micro-batches per step (fewer when a batch has fewer rows).
-        schedule: "1f1b" (at most p micro-batches of activations per stage)
-            or "gpipe" (all forwards, then all backwards; m held).
+        schedule: "1f1b" (at most p micro-batches of activations per stage),
+            "gpipe" (all forwards, then all backwards; m held) or "gems"
+            (two mirrored replicas on the same ranks: a `GemsPipeline`,
+            `hpdl.parallel.pipe.gems`).
         balance: layer counts per stage, None (equal counts), or "auto":
             each layer timed on `sample` and the layers cut to minimise the
             slowest stage (`hpdl.parallel.pipe.balance`).
@@ -62,6 +64,13 @@ class Pipeline:
             step's last on this stage runs inside it, so gradients are reduced
             once per step, not once per micro-batch.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Pipeline:
+        if cls is Pipeline and kwargs.get("schedule") == "gems":  # two mirrored replicas: its own class
+            from hpdl.parallel.pipe.gems import GemsPipeline
+
+            return super().__new__(GemsPipeline)
+        return super().__new__(cls)
 
     def __init__(
         self,

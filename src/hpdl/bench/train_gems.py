@@ -1,0 +1,316 @@
+"""`hpdl bench train --strategy gems`: GEMS-MASTER beside 1F1B and GPipe, same stages, micro-batches and data.
+
+Contenders, all `hpdl.parallel.Pipeline` over MPI on the same ranks, with
+the same split (equal layer counts), the same m micro-batches of the same
+size, no recomputation, SGD with momentum, alternating per round:
+
+    gems    schedule="gems": two mirrored replicas, m/2 micro-batches each
+    1f1b    schedule="1f1b"
+    gpipe   schedule="gpipe"
+
+Per contender: samples/s (median, min-max), the measured bubble (1 - the
+slowest rank's compute-only time / step time, where compute-only is that
+rank's own forwards and backwards of the step run alone), hpdl's busy-time
+bubble (1 - compute / step seconds, counted by the engine), the grid
+bubble of the schedule, peak activation bytes per rank (ActivationMeter)
+and parameter bytes per rank (gems holds two stages per rank). Targets:
+gems' measured bubble at most half of 1F1B's, and samples/s >= 1.15x 1F1B.
+
+Run it with `hpdl bench train --strategy gems [-n 2] [--quick] [--chunks 4]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from hpdl.bench import report
+from hpdl.bench.comm import _positive
+
+__all__ = ["launch", "main", "CONTENDERS"]
+
+CONTENDERS = ("gems", "1f1b", "gpipe")
+TARGET_SPEEDUP, TARGET_BUBBLE_RATIO = 1.15, 0.5
+LR = 0.01
+
+
+@dataclass(frozen=True)
+class Options:
+    ranks: int = 2
+    quick: bool = False
+    out: str = "bench-results/gems"
+    models: tuple[str, ...] = ("act", "mlp")
+    chunks: int = 4
+    rounds: int = 7
+    steps: int = 5
+    warmup: int = 2
+    timeout: float = 1800.0
+    worker: bool = False
+
+    def forwarded(self) -> list[str]:
+        args = ["--strategy", "gems", "--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
+        args += ["--steps", str(self.steps), "--chunks", str(self.chunks), "--models", *self.models]
+        return args + (["--quick"] if self.quick else [])
+
+
+def parse(argv: Sequence[str]) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="hpdl bench train --strategy gems",
+        description="Samples/s and bubble of GEMS-MASTER (two mirrored pipeline replicas) beside 1F1B and GPipe.",
+    )
+    parser.add_argument("--strategy", default="gems", choices=["gems"], help=argparse.SUPPRESS)
+    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks = stages (default 2)")
+    parser.add_argument("--quick", action="store_true", help="small models, few rounds (a smoke test)")
+    parser.add_argument("--out", default="bench-results/gems", help="output folder (default bench-results/gems)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=["act", "mlp", "transformer"],
+        help="models (default: act mlp; act: activation-heavy, GEMS' regime)",
+    )
+    parser.add_argument("--chunks", type=_positive(int), default=4, help="micro-batches per step, even (default 4)")
+    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
+    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
+    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ns = parser.parse_args(list(argv))
+    if ns.ranks < 2:
+        parser.error(f"-n {ns.ranks}: a pipeline needs at least 2 ranks")
+    if ns.chunks % 2:
+        parser.error(f"--chunks {ns.chunks}: gems splits the micro-batches between two replicas; pass an even number")
+    return Options(
+        ranks=ns.ranks, quick=bool(ns.quick), out=ns.out, models=tuple(ns.models or ("act", "mlp")), chunks=ns.chunks,
+        rounds=ns.rounds or (2 if ns.quick else 7), steps=ns.steps or (2 if ns.quick else 5),
+        warmup=1 if ns.quick else 2, timeout=ns.timeout, worker=bool(ns.worker),
+    )  # fmt: skip
+
+
+def launch(argv: list[str]) -> int:
+    return report.launch_benchmark("hpdl bench train --strategy gems", "hpdl.bench.train_gems", parse, argv)
+
+
+def activation_heavy(quick: bool) -> Any:
+    """GEMS' regime: activations much larger than the weights (8 x Linear(256, 256), batch 2048)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from hpdl.bench.train_pipeline import Workload
+
+    width, batch, depth = (64, 256, 8) if quick else (256, 2048, 8)
+
+    def layers() -> list:
+        return [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)] + [nn.Linear(width, 10)]
+
+    def data(g: Any) -> tuple:
+        return torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+    text = f"{depth} x Linear({width}, {width}) + ReLU, batch {batch} (activations >> weights)"
+    return Workload("act", batch, text, layers, data, F.cross_entropy)
+
+
+def _compute_only(pipe: Any, layers: list, counts: list[int], batch: tuple, chunks: int, loss: Any) -> float:
+    """Seconds of this rank's own forwards and backwards of one step, alone (no communication, no waiting)."""
+    import torch
+    from torch import nn
+
+    from hpdl.parallel.pipe import microbatch
+
+    x, y = batch
+    p, rank = len(counts), pipe.stage
+
+    def stage(s: int) -> nn.Sequential:
+        start = sum(counts[:s])
+        return nn.Sequential(*layers[start : start + counts[s]])
+
+    def inputs(s: int, xs: list) -> list:
+        with torch.no_grad():
+            before = nn.Sequential(*layers[: sum(counts[:s])])
+            return [before(xk) for xk in xs]
+
+    work = []  # (stage module, its micro-batch inputs, targets, last?)
+    if getattr(pipe, "mirror_stage", None) is not None:
+        halves = (microbatch.split(x, 2), microbatch.split(y, 2))
+        for s, half in ((rank, 0), (p - 1 - rank, 1)):
+            xs, ys = microbatch.split(halves[0][half], chunks // 2), microbatch.split(halves[1][half], chunks // 2)
+            work.append((stage(s), inputs(s, xs), ys, s == p - 1))
+    else:
+        xs, ys = microbatch.split(x, chunks), microbatch.split(y, chunks)
+        work.append((stage(rank), inputs(rank, xs), ys, rank == p - 1))
+
+    def run() -> None:
+        for module, xs, ys, last in work:
+            for xk, yk in zip(xs, ys):
+                arg = xk.detach().requires_grad_(xk.dtype.is_floating_point)
+                out = module(arg)
+                (loss(out, yk) if last else out).backward(None if last else torch.ones_like(out))
+
+    run()
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return float(min(times))
+
+
+def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]]:
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+
+    from hpdl.bench.train_pipeline import workload
+    from hpdl.parallel import Pipeline
+    from hpdl.parallel.pipe.balance import even
+    from hpdl.parallel.pipe.memory import ActivationMeter
+
+    w = activation_heavy(options.quick) if name == "act" else workload(name, options.quick)
+    g = torch.Generator().manual_seed(1234)
+    batches = [w.data(g) for _ in range(4)]
+    counts = even(len(w.layers()), comm.size)
+    pipes, opts = [], []
+    for schedule in CONTENDERS:
+        torch.manual_seed(0)
+        pipe = Pipeline(nn.Sequential(*w.layers()), comm, chunks=options.chunks, schedule=schedule, balance=counts,
+                        checkpoint="never")  # fmt: skip
+        pipes.append(pipe)
+        opts.append(torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9))
+
+    def step(i: int, b: int) -> float:
+        pipe = pipes[i]
+        x, y = batches[b % len(batches)]
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, w.loss)
+        opts[i].step()
+        opts[i].zero_grad()
+        return float(loss)
+
+    for i in range(len(pipes)):
+        for b in range(options.warmup):
+            step(i, b)
+    peaks = np.zeros(len(pipes))
+    for i, pipe in enumerate(pipes):
+        comm.barrier()
+        with ActivationMeter(exclude=list(pipe.parameters())) as meter:
+            step(i, 0)
+        peaks[i] = meter.peak
+    param_bytes = np.array([sum(p.numel() * p.element_size() for p in pipe.parameters()) for pipe in pipes], float)
+    times = np.zeros((len(pipes), options.rounds))
+    busy = np.zeros((len(pipes), options.rounds))
+    done = options.warmup
+    for r in range(options.rounds):
+        for i in range(len(pipes)):
+            comm.barrier()
+            started = time.perf_counter()
+            bubbles = []
+            for s in range(options.steps):
+                step(i, done + s)
+                bubbles.append(pipes[i].stats.bubble)
+            times[i, r] = time.perf_counter() - started
+            busy[i, r] = float(np.mean(bubbles))
+        done += options.steps
+    world = comm.mpi_comm
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    world.Allreduce(MPI.IN_PLACE, busy, op=MPI.SUM)
+    busy /= comm.size
+    compute = np.array([_compute_only(pipe, w.layers(), counts, batches[0], options.chunks, w.loss) for pipe in pipes])
+    world.Allreduce(MPI.IN_PLACE, compute, op=MPI.MAX)
+    peak_table = np.zeros((comm.size, len(pipes)))
+    world.Allgather(peaks, peak_table)
+    param_table = np.zeros((comm.size, len(pipes)))
+    world.Allgather(param_bytes, param_table)
+    records = []
+    for i, schedule in enumerate(CONTENDERS):
+        step_s = float(np.median(times[i])) / options.steps
+        grid = pipes[i].schedule(options.chunks).bubble
+        records.append({
+            "model": name, "workload": w.describe, "contender": schedule, "ranks": comm.size, "batch": w.batch,
+            "microbatches": options.chunks,
+            "samples_per_s": report.summarize([w.batch * options.steps / t for t in times[i]]),
+            "step_ms": step_s * 1e3, "compute_only_ms": float(compute[i]) * 1e3,
+            "bubble_measured": 1.0 - float(compute[i]) / step_s, "bubble_busy": float(np.median(busy[i])),
+            "bubble_grid": grid,
+            "peak_activation_bytes_per_rank": peak_table[:, i].tolist(),
+            "parameter_bytes_per_rank": param_table[:, i].tolist(),
+        })  # fmt: skip
+    for pipe in pipes:
+        pipe.close()
+    return records
+
+
+HEADERS = ["model", "schedule", "samples/s", "min-max", "vs 1f1b", "bubble measured", "busy-time bubble",
+           "grid bubble", "peak activations MiB per rank", "parameters MiB per rank"]  # fmt: skip
+
+
+def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
+    rows, verdicts = [], []
+    for model in dict.fromkeys(r["model"] for r in records):
+        mine = {r["contender"]: r for r in records if r["model"] == model}
+        base = mine["1f1b"]
+        for name, r in mine.items():
+            s = r["samples_per_s"]
+            r["vs_1f1b"] = s["median"] / base["samples_per_s"]["median"]
+            rows.append([model, name, s["median"], f"{s['min']:.0f}-{s['max']:.0f}", r["vs_1f1b"], r["bubble_measured"],
+                         r["bubble_busy"], r["bubble_grid"],
+                         " / ".join(f"{v / 2**20:.1f}" for v in r["peak_activation_bytes_per_rank"]),
+                         " / ".join(f"{v / 2**20:.1f}" for v in r["parameter_bytes_per_rank"])])  # fmt: skip
+        g = mine["gems"]
+        verdicts.append(f"{report.verdict(g['vs_1f1b'] >= TARGET_SPEEDUP)} {model}: gems {g['vs_1f1b']:.2f}x 1f1b's "
+                        f"samples/s (target >= {TARGET_SPEEDUP}x)")  # fmt: skip
+        ratio = g["bubble_measured"] / base["bubble_measured"] if base["bubble_measured"] > 0 else math.inf
+        verdicts.append(
+            f"{report.verdict(ratio <= TARGET_BUBBLE_RATIO)} {model}: gems measured bubble {g['bubble_measured']:.3f} "
+            f"= {ratio:.2f}x 1f1b's {base['bubble_measured']:.3f} (target <= {TARGET_BUBBLE_RATIO}x)"
+        )
+    return rows, verdicts
+
+
+def worker(options: Options) -> int:
+    import torch
+
+    import hpdl
+
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    comm = hpdl.init("mpi", timeout=300.0, debug=False)
+    if comm.rank == 0:
+        print(f"{comm.size} ranks, MPI {comm.engine}; measuring gems, 1f1b, gpipe ...", flush=True)
+    records = []
+    for name in options.models:
+        records += measure_model(name, options, comm)
+    if comm.rank == 0:
+        rows, verdicts = analyse(records)
+        header = (
+            f"hpdl bench train --strategy gems: {options.ranks} ranks, {options.chunks} micro-batches of the same size "
+            f"for every schedule (gems: {options.chunks // 2} per replica), equal layer counts, no recomputation, "
+            f"OMP_NUM_THREADS=1, {options.rounds} rounds x {options.steps} steps, alternating per round"
+        )
+        notes = [
+            "bubble measured = 1 - (slowest rank's own forwards and backwards of a step, run alone) / step time.",
+            "busy-time bubble = the engine's own count: 1 - compute seconds / step seconds (gems: both replicas and "
+            "the gradient exchange).",
+            "grid bubble = the schedule's idle fraction on its time grid (forward 1 slot, backward 2).",
+            "gems holds two stages per rank: parameters (and optimizer state) x2, the price of its filled bubble.",
+        ]
+        table = report.markdown_table(HEADERS, rows, right_align_from=2)
+        text = report.markdown_document("hpdl bench train --strategy gems", header, [table], notes, verdicts)
+        config = report.environment(benchmark="train", strategy="gems", quick=options.quick, world_ranks=comm.size,
+                                    rounds=options.rounds, chunks=options.chunks, mpi_engine=comm.engine)  # fmt: skip
+        report.write_report(options.out, "gems", text, records, config, time.perf_counter() - started)
+    comm.barrier()
+    hpdl.finalize()
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return report.run_main(argv, parse, launch, worker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

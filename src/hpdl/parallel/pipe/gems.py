@@ -1,0 +1,390 @@
+"""GEMS-MASTER: two replicas of a pipeline on the same ranks, stages mirrored, bubbles filled by each other.
+
+    pipe = Pipeline(model, comm, schedule="gems", chunks=8)   # a GemsPipeline
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)    # both copies this rank holds
+    loss = pipe.step(x, y, loss_fn)                           # x and y on ranks 0 and p-1
+
+Rank r holds stage r of replica A and stage p-1-r of replica B (its
+"mirror" stage). Replica A takes the first ceil(B/2) rows of the batch
+(entering at rank 0), replica B the rest (entering at rank p-1); each runs
+half of the micro-batches, and every rank runs the merged order of
+`GemsSchedule` (two ordinary stage engines, one per replica, each over its
+own private communicator, driven action by action from one loop).
+
+The two copies of a stage live on the partner ranks r and p-1-r. As soon
+as a copy's last backward of the step has run, its gradient (weighted by
+its replica's share of the rows) leaves for the partner, overlapping the
+rest of the step; at the end each copy gets the sum, so both copies take
+the same optimizer step and stay equal (on an odd number of ranks the
+middle rank holds both copies of its stage and adds them itself). With
+`data_parallel=` the summed gradients are then averaged over that group in
+one allreduce.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from hpdl.comm.base import Communicator
+from hpdl.parallel.pipe import balance as balancing
+from hpdl.parallel.pipe import microbatch
+from hpdl.parallel.pipe.engine import PREDICT, TRAIN, StageEngine
+from hpdl.parallel.pipe.errors import PipelineError
+from hpdl.parallel.pipe.gems_schedule import GemsSchedule
+from hpdl.parallel.pipe.p2p import Link
+from hpdl.parallel.pipeline import Pipeline
+
+__all__ = ["GemsPipeline", "GemsStats"]
+
+TAG_PARAMS, TAG_GRAD_OF_A, TAG_GRAD_OF_B = 50, 51, 52
+"""Between partner ranks: the initial weights, and the gradients of replica A's / B's copy of a stage."""
+
+
+@dataclass
+class GemsStats:
+    """The last step on this rank, both replicas together (counted, not estimated)."""
+
+    microbatches: int = 0
+    peak_live: int = 0
+    """The most micro-batches (of both replicas) whose activations this rank held at once."""
+    actions: tuple = ()
+    """The actions this rank ran, in order (equal to `schedule(m).actions(rank)`)."""
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    reduce_seconds: float = 0.0
+    """Waiting for the partner's gradients and the data-parallel allreduce, after the last action."""
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.compute_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+
+class GemsPipeline(Pipeline):
+    """This rank's two stages of a GEMS-MASTER pipeline: stage r of replica A, stage p-1-r of replica B.
+
+    Built by `Pipeline(..., schedule="gems")`. Arguments as for `Pipeline`
+    (`chunks` counts the micro-batches of both replicas: an even number),
+    except `wrap_stage`, which it does not take: the copies' gradients are
+    reduced here (and over `data_parallel`).
+    """
+
+    def __init__(  # noqa: PLR0913 - the Pipeline signature
+        self,
+        model: Any,
+        comm: Communicator,
+        *,
+        chunks: int = 8,
+        schedule: str = "gems",
+        balance: Union[None, str, Sequence[int]] = None,
+        checkpoint: str = "except_last",
+        sample: Any = None,
+        seed: Optional[int] = None,
+        data_parallel: Optional[Communicator] = None,
+        wrap_stage: Optional[Callable[[nn.Module], nn.Module]] = None,
+    ):
+        if schedule != "gems":
+            raise ValueError(f"GemsPipeline runs schedule='gems', got {schedule!r}; use Pipeline for the others")
+        if not isinstance(chunks, int) or chunks < 2 or chunks % 2:
+            raise ValueError(
+                f"chunks={chunks!r}: the gems schedule splits the micro-batches between two replicas; pass an even "
+                "number >= 2"
+            )
+        if wrap_stage is not None:
+            raise ValueError(
+                "schedule='gems' reduces the gradients of a stage's two copies itself and takes no wrap_stage; "
+                "pass data_parallel=<group> for GEMS x data parallelism"
+            )
+        from hpdl.parallel.pipeline import _layers  # noqa: PLC0415 - moved by the package restructuring
+
+        layers = _layers(model)
+        self.stage, self.stages = comm.rank, comm.size
+        self.mirror_stage = self.stages - 1 - self.stage
+        """The stage of replica B that this rank holds."""
+        self.partner = self.mirror_stage
+        """The rank holding the other copies of this rank's two stages."""
+        self.dp = data_parallel
+        self.balance = self._balance(layers, balance, comm, data_parallel, sample, seed)
+        self.first_layer = sum(self.balance[: self.stage])
+        self.mirror_first_layer = sum(self.balance[: self.mirror_stage])
+        self.layers = self._build(layers, self.stage, seed)
+        """This rank's stage of replica A (stage = rank), a plain `nn.Sequential` of the model's modules."""
+        if self.mirror_stage == self.stage:
+            self.mirror_layers = copy.deepcopy(self.layers)
+        else:
+            self.mirror_layers = self._build(layers, self.mirror_stage, seed)
+        """This rank's stage of replica B (stage p-1-rank)."""
+        self.module = self.layers
+        comm_a = comm.split(0, self.stage) if comm.size > 1 else comm
+        comm_b = comm.split(0, self.mirror_stage) if comm.size > 1 else comm
+        if comm_a is None or comm_b is None:
+            raise RuntimeError(f"GemsPipeline: splitting private communicators from {comm!r} gave none")
+        self.comm, self.mirror_comm = comm_a, comm_b
+        self._owns_comm = comm_a is not comm
+        self.closed = False
+        self._sync_copies()
+        self._engines = (
+            StageEngine(self.layers, Link(comm_a, self.stage, self.stages), schedule="1f1b", chunks=chunks // 2,
+                        checkpoint=checkpoint),
+            StageEngine(self.mirror_layers, Link(comm_b, self.mirror_stage, self.stages), schedule="1f1b",
+                        chunks=chunks // 2, checkpoint=checkpoint),
+        )  # fmt: skip
+        self._engine = self._engines[0]
+        for engine, stage_layers in zip(self._engines, (self.layers, self.mirror_layers)):
+            engine.drive_progress(stage_layers)
+        self.chunks = chunks
+        self._schedules: dict[int, GemsSchedule] = {}
+        self._stats = GemsStats()
+
+    def _build(self, layers: list, stage: int, seed: Optional[int]) -> nn.Sequential:
+        start = sum(self.balance[:stage])
+        return nn.Sequential(
+            *[
+                balancing.build(spec, start + i, seed)
+                for i, spec in enumerate(layers[start : start + self.balance[stage]])
+            ]
+        )
+
+    def _sync_copies(self) -> None:
+        """Replica B's copy of each stage starts as replica A's (factories without a seed may differ)."""
+        mine = [t.detach() for t in (*self.layers.parameters(), *self.layers.buffers())]
+        mirror = [t.detach() for t in (*self.mirror_layers.parameters(), *self.mirror_layers.buffers())]
+        if self.partner == self.stage:
+            with torch.no_grad():
+                for dst, src in zip(mirror, mine):
+                    dst.copy_(src)
+            return
+        if not mine and not mirror:
+            return
+        box: Optional[torch.Tensor] = None
+        works = []
+        if mirror:
+            box = torch.empty(sum(t.numel() for t in mirror), dtype=_common_dtype(mirror))
+            works.append(self.comm.recv(box, self.partner, tag=TAG_PARAMS, async_op=True))
+        if mine:
+            works.append(self.comm.send(_flat(mine), self.partner, tag=TAG_PARAMS, async_op=True))
+        for work in works:
+            work.wait(timeout=self.comm.timeout)
+        if box is not None:
+            with torch.no_grad():
+                _unflat(box, mirror)
+
+    # ------------------------------------------------------------------ life cycle
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for engine in self._engines:
+            engine.close()
+        if self._owns_comm:
+            self.comm.close()
+            self.mirror_comm.close()
+
+    # ------------------------------------------------------------------ training
+    def step(self, x: Any, y: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of both replicas' micro-batches; the copies' gradients summed; the batch's mean loss.
+
+        `x` is read on ranks 0 and p-1 (replica A's and B's first stages),
+        `y` and `loss_fn` on ranks p-1 and 0 (their last stages).
+        """
+        self._check_open("step")
+        started = time.perf_counter()
+        x_a, x_b = _halves(x, "x") if self.stage in (0, self.stages - 1) else (None, None)
+        y_a, y_b = _halves(y, "y") if y is not None else (None, None)
+        engine_a, engine_b = self._engines
+        links = [engine.link for engine in self._engines]
+        for link in links:
+            link.begin()
+        for engine in self._engines:
+            engine.running = True
+        try:
+            run_a = engine_a.prepare(TRAIN, x_a if self.stage == 0 else None, y_a, loss_fn)
+            run_b = engine_b.prepare(TRAIN, x_b if self.stage == self.stages - 1 else None, y_b, loss_fn)
+            m = run_a.m + run_b.m
+            schedule = self.schedule(m)
+            if schedule.split != (run_a.m, run_b.m):  # pragma: no cover - halves and chunks guarantee it
+                raise PipelineError(f"gems: replica micro-batches {run_a.m, run_b.m} are not {schedule.split}")
+            runs = (run_a, run_b)
+            for replica, run in enumerate(runs):
+                run.actions = schedule.replica_actions(replica, self.stage)
+                run.last_backward = len(run.actions) - 1
+            stats = self._stats = GemsStats(microbatches=m)
+            done, ran, exchange = [0, 0], [], _Exchange(self)
+            for action in schedule.actions(self.stage):
+                replica = action.replica  # type: ignore[attr-defined]
+                run, engine = runs[replica], self._engines[replica]
+                run.do(done[replica], engine.stats)
+                done[replica] += 1
+                ran.append(action)
+                stats.peak_live = max(stats.peak_live, run_a.live + run_b.live)
+                if done[replica] == len(run.actions):
+                    exchange.start(replica, run.rows / (run_a.rows + run_b.rows))
+            loss_a = links[0].finish(run_a.result())
+            loss_b = links[1].finish(run_b.result())
+            reduce_started = time.perf_counter()
+            exchange.finish()
+            stats.reduce_seconds = time.perf_counter() - reduce_started
+        except BaseException as error:
+            for link in links:
+                link.fail(error)
+            raise
+        finally:
+            for engine in self._engines:
+                engine.running = False
+        stats.actions = tuple(ran)
+        stats.compute_seconds = sum(e.stats.compute_seconds for e in self._engines)
+        stats.wait_seconds = sum(link.wait_seconds for link in links)
+        stats.step_seconds = time.perf_counter() - started
+        rows_a, rows_b = run_a.rows, run_b.rows
+        return torch.tensor((loss_a * rows_a + loss_b * rows_b) / (rows_a + rows_b), dtype=torch.float64)
+
+    @torch.no_grad()
+    def predict(self, x: Any) -> Any:
+        """The output for `x` through replica A (rank 0 reads x): on the last rank, None elsewhere."""
+        self._check_open("predict")
+        return self._engines[0].run(PREDICT, x if self.stage == 0 else None, None, None)
+
+    forward = predict
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Both copies this rank holds (stage r of replica A, then stage p-1-r of replica B)."""
+        yield from self.layers.parameters(recurse)
+        yield from self.mirror_layers.parameters(recurse)
+
+    def train(self, mode: bool = True) -> GemsPipeline:
+        self.layers.train(mode)
+        self.mirror_layers.train(mode)
+        return self
+
+    def schedule(self, microbatches: Optional[int] = None) -> GemsSchedule:  # type: ignore[override]
+        m = microbatches or self.chunks
+        if m not in self._schedules:
+            self._schedules[m] = GemsSchedule(self.stages, m)
+        return self._schedules[m]
+
+    @property
+    def stats(self) -> GemsStats:  # type: ignore[override]
+        return self._stats
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank reads `x` in `step` (the first stage of replica A or of replica B)."""
+        return self.stage in (0, self.stages - 1)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank reads `y` in `step` (the last stage of replica A or of replica B)."""
+        return self.stage in (0, self.stages - 1)
+
+    def __repr__(self) -> str:
+        return (
+            f"GemsPipeline(rank {self.stage} of {self.stages}: stage {self.stage} of replica A and stage "
+            f"{self.mirror_stage} of replica B, balance={self.balance}, chunks={self.chunks}, "
+            f"checkpoint={self._engine.checkpoint!r})"
+        )
+
+
+class _Exchange:
+    """The gradients of this rank's two copies to and from the partner, started as soon as each copy is done."""
+
+    def __init__(self, pipe: GemsPipeline):
+        self.pipe = pipe
+        self.params = (
+            [p for p in pipe.layers.parameters() if p.requires_grad],
+            [p for p in pipe.mirror_layers.parameters() if p.requires_grad],
+        )
+        self.mine: list[Optional[torch.Tensor]] = [None, None]
+        self.works: list = []
+        self.inbox: list[Optional[torch.Tensor]] = [None, None]
+        self.local = pipe.partner == pipe.stage
+        if not self.local:  # the partner's copy of my stage comes with the other replica's tag
+            comm = pipe.comm
+            for replica, tag in ((0, TAG_GRAD_OF_B), (1, TAG_GRAD_OF_A)):
+                if self.params[replica]:
+                    box = torch.empty(_numel(self.params[replica]), dtype=_common_dtype(self.params[replica]))
+                    self.inbox[replica] = box
+                    self.works.append(comm.recv(box, pipe.partner, tag=tag, async_op=True))
+
+    def start(self, replica: int, share: float) -> None:
+        """Replica `replica`'s copy has its step's gradient: weight it by the replica's share of rows, send it."""
+        params = self.params[replica]
+        if not params:
+            return
+        flat = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]) * share
+        self.mine[replica] = flat
+        if not self.local:
+            tag = TAG_GRAD_OF_A if replica == 0 else TAG_GRAD_OF_B
+            self.works.append(self.pipe.comm.send(flat, self.pipe.partner, tag=tag, async_op=True))
+
+    def finish(self) -> None:
+        link = self.pipe._engines[0].link
+        link.wait(self.works, "the gradients of the mirrored copies", self.pipe.partner)
+        if self.local:  # the middle rank of an odd pipeline holds both copies of its stage
+            self.inbox = [self.mine[1], self.mine[0]]
+        sums = []
+        for replica in (0, 1):
+            mine, theirs = self.mine[replica], self.inbox[replica]
+            if mine is not None and theirs is not None:
+                sums.append(mine + theirs)
+        if not sums:
+            return
+        total = torch.cat(sums) if len(sums) > 1 else sums[0]
+        dp = self.pipe.dp
+        if dp is not None and dp.size > 1:
+            dp.allreduce(total, "avg")
+        offset = 0
+        for replica in (0, 1):
+            if self.mine[replica] is None:
+                continue
+            size = _numel(self.params[replica])
+            _set_grads(total[offset : offset + size], self.params[replica])
+            offset += size
+
+
+def _halves(value: Any, what: str) -> tuple[Any, Any]:
+    """The rows of replica A (the first ceil(B/2)) and of replica B (the rest)."""
+    if value is None:
+        return None, None
+    if microbatch.batch_size(value, what) < 2:
+        raise PipelineError(f"schedule='gems' splits the batch between two replicas: {what} needs at least 2 rows")
+    first, second = microbatch.split(value, 2, what)
+    return first, second
+
+
+def _numel(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise PipelineError(f"schedule='gems' needs one dtype per stage's parameters, got {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _unflat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _set_grads(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> None:
+    offset = 0
+    for p in params:
+        value = flat[offset : offset + p.numel()].view_as(p)
+        if p.grad is None:
+            p.grad = value.clone()
+        else:
+            p.grad.copy_(value)
+        offset += p.numel()
