@@ -41,7 +41,7 @@ __all__ = [
 
 
 def _register_torch_backend() -> None:
-    from hpdl.interop.register import register
+    from hpdl.interop.registration import register
 
     register()
 

@@ -26,7 +26,7 @@ before each call; 0 switches the check off.
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
@@ -34,8 +34,19 @@ import torch
 from hpdl.comm.env import env_number
 from hpdl.errors import CollectiveMismatchError
 
-if TYPE_CHECKING:
-    from hpdl.comm.base import Communicator
+
+class Agreeing(Protocol):
+    """What the checks need of a communicator: `hpdl.comm.base.Communicator`, which imports this module."""
+
+    rank: int
+    size: int
+    backend: str
+    _ledger: Ledger
+
+    def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Any: ...
+
+    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Any: ...
+
 
 __all__: list[str] = []
 
@@ -127,7 +138,7 @@ class Ledger:
         return bytes(out)
 
 
-def check(comm: Communicator, seq: int) -> None:
+def check(comm: Agreeing, seq: int) -> None:
     """Compare signatures across ranks (one 16-byte allreduce); raise on every rank when they differ."""
     ledger = comm._ledger
     vote = ledger.vote()
@@ -138,7 +149,7 @@ def check(comm: Communicator, seq: int) -> None:
         raise error
 
 
-def mismatch_error(comm: Communicator, seq: int) -> CollectiveMismatchError:
+def mismatch_error(comm: Agreeing, seq: int) -> CollectiveMismatchError:
     """Exchange the rings (two small allgathers) and describe the first collective the ranks disagree on."""
     ledger = comm._ledger
     width = _LINE * len(ledger.ring)

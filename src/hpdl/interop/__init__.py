@@ -7,6 +7,6 @@ hpdl` registers it; the process group itself is imported only when a group
 is created.
 """
 
-from hpdl.interop.register import BACKEND_NAME, register
+from hpdl.interop.registration import BACKEND_NAME, register
 
 __all__ = ["BACKEND_NAME", "register"]

@@ -23,11 +23,22 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from hpdl.comm.base import Communicator
-    from hpdl.interop.torch_backend.work import HpdlWork
+
+
+class HpdlWork(Protocol):
+    """What progress needs of a handle: `work.HpdlWork`, whose module imports this one."""
+
+    _done: bool
+
+    def _complete(self, result: Any, error: Optional[BaseException]) -> None: ...
+
+
+Handle = TypeVar("Handle", bound=HpdlWork)
+
 
 __all__ = ["Progress", "progress", "Started"]
 
@@ -93,7 +104,7 @@ class Progress:
         """Held while hpdl's communicators are used (start, test): one thread at a time talks to MPI."""
         return self._cond
 
-    def submit(self, comm: Communicator, start: Callable[[], Started], handle: HpdlWork, p2p: bool = False) -> HpdlWork:
+    def submit(self, comm: Communicator, start: Callable[[], Started], handle: Handle, p2p: bool = False) -> Handle:
         """Start an operation now (errors in its arguments raise here) and complete `handle` when it finishes.
 
         A collective starts only once the previous collective has completed *and* its future's callbacks

@@ -38,7 +38,7 @@ from hpdl.parallel.pipe.engine import PREDICT, TRAIN, StageEngine
 from hpdl.parallel.pipe.errors import PipelineError
 from hpdl.parallel.pipe.gems_schedule import GemsSchedule
 from hpdl.parallel.pipe.p2p import Link
-from hpdl.parallel.pipeline import Pipeline
+from hpdl.parallel.pipe.pipeline import SCHEDULE_CLASSES, Pipeline, _layers
 
 __all__ = ["GemsPipeline", "GemsStats"]
 
@@ -101,8 +101,6 @@ class GemsPipeline(Pipeline):
                 "schedule='gems' reduces the gradients of a stage's two copies itself and takes no wrap_stage; "
                 "pass data_parallel=<group> for GEMS x data parallelism"
             )
-        from hpdl.parallel.pipeline import _layers  # noqa: PLC0415 - moved by the package restructuring
-
         layers = _layers(model)
         self.stage, self.stages = comm.rank, comm.size
         self.mirror_stage = self.stages - 1 - self.stage
@@ -388,3 +386,6 @@ def _set_grads(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> None:
         else:
             p.grad.copy_(value)
         offset += p.numel()
+
+
+SCHEDULE_CLASSES["gems"] = GemsPipeline

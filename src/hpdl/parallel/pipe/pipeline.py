@@ -34,6 +34,12 @@ __all__ = ["Pipeline", "PipelineError", "StageFailedError", "BalanceError"]
 Model = Union[nn.Sequential, Sequence[Union[nn.Module, Callable[[], nn.Module]]]]
 
 
+SCHEDULE_CLASSES: dict[str, type[Pipeline]] = {}
+"""Schedules that run on a Pipeline class of their own, registered by their module (`gems`), which the
+package imports: `Pipeline(..., schedule="gems")` then builds a `GemsPipeline` without this module
+importing the one that extends it."""
+
+
 class Pipeline:
     """This rank's stage of a pipeline over the ranks of `comm` (stage = rank).
 
@@ -66,11 +72,8 @@ class Pipeline:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Pipeline:
-        if cls is Pipeline and kwargs.get("schedule") == "gems":  # two mirrored replicas: its own class
-            from hpdl.parallel.pipe.gems import GemsPipeline
-
-            return super().__new__(GemsPipeline)
-        return super().__new__(cls)
+        special = SCHEDULE_CLASSES.get(kwargs.get("schedule", "")) if cls is Pipeline else None
+        return super().__new__(special or cls)  # "gems": two mirrored replicas, a class of its own
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ split and the head runs replicated. See docs/spatial.md.
 from hpdl.parallel.spatial.channel import ChannelParallelConv, FilterParallelConv
 from hpdl.parallel.spatial.halo import HaloStats
 from hpdl.parallel.spatial.partition import even_split, plan_windows
-from hpdl.parallel.spatial.shard import gather, shard, sum_over_slabs
+from hpdl.parallel.spatial.slabs import gather, shard, sum_over_slabs
 from hpdl.parallel.spatial.wrapper import SpatialParallel
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.spatial.shard import gather
+from hpdl.parallel.spatial.slabs import gather
 from hpdl.parallel.tensor.comm_ops import copy_to_tp, reduce_from_tp
 from hpdl.parallel.tensor.shards import TPShard
 

@@ -42,9 +42,9 @@ class SpatialEstimate:
         return 2 * max(self.halo_bytes_forward or [0])
 
     def activation_bytes_per_rank(self, whole_activation_bytes: float) -> float:
-        from hpdl.plan.memory import spatial_activation_bytes
-
-        return spatial_activation_bytes(whole_activation_bytes, self.parts, self.halo_bytes_per_step / 2)
+        """1/parts of one process's activations plus the halos received (the planner's
+        `hpdl.plan.memory.spatial_activation_bytes`, which sits above this package)."""
+        return whole_activation_bytes / self.parts + self.halo_bytes_per_step / 2
 
 
 def _window_args(module: nn.Module, d: int) -> tuple[int, int, int, int, int, str]:

@@ -20,7 +20,7 @@ from hpdl.comm.base import Communicator
 from hpdl.parallel.spatial.extent import SpatialContext, global_rows
 from hpdl.parallel.spatial.halo import FORWARD_TAG, TAG_STRIDE, HaloStats, halo_window_forward
 from hpdl.parallel.spatial.partition import Window, plan_windows
-from hpdl.parallel.spatial.shard import gather, sum_over_slabs
+from hpdl.parallel.spatial.slabs import gather, sum_over_slabs
 
 __all__ = ["SpatialLayer", "SpatialConv", "SpatialPool", "SpatialBatchNorm", "SpatialGlobalPool", "SpatialFlatten"]
 

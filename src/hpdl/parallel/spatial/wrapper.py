@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.buckets import GradientReducer
-from hpdl.parallel.data_parallel import broadcast_tensors
+from hpdl.parallel.data.buckets import GradientReducer
+from hpdl.parallel.data.data_parallel import broadcast_tensors
 from hpdl.parallel.spatial.convert import convert
 from hpdl.parallel.spatial.extent import SpatialContext, slab_sizes
 from hpdl.parallel.spatial.halo import HaloStats
-from hpdl.parallel.spatial.shard import gather
+from hpdl.parallel.spatial.slabs import gather
 
 __all__ = ["SpatialParallel"]
 
