@@ -95,7 +95,9 @@ def test_collectives_match_references(ranks, backend, nprocs):
         received, splits = out["alltoall"]
         assert splits.tolist() == [r + 1] * n and splits.dtype == torch.int32
         assert torch.equal(received, torch.cat([torch.full((r + 1, 2), float(10 * k + r)) for k in range(n)]))
-        assert torch.equal(out["alltoall_even"], torch.tensor([100 * k + 2 * r + i for k in range(n) for i in range(2)]))
+        assert torch.equal(
+            out["alltoall_even"], torch.tensor([100 * k + 2 * r + i for k in range(n) for i in range(2)])
+        )
         total = sum(rank_data(k, (2 * n + 1, 2), torch.float64) for k in range(n))
         counts = [(2 * n + 1) // n + (1 if k < (2 * n + 1) % n else 0) for k in range(n)]
         start = sum(counts[:r])
@@ -133,6 +135,10 @@ def autograd_body(comm):
     return grads
 
 
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a.double(), b.double(), atol=1e-12)
+
+
 @pytest.mark.parametrize(("backend", "nprocs"), [("mpi", 2), ("mpi", 3)])
 def test_gradients_are_horovods(ranks, backend, nprocs):
     n = nprocs
@@ -141,16 +147,16 @@ def test_gradients_are_horovods(ranks, backend, nprocs):
     weights = torch.arange(sum(k + 1 for k in range(n)) * 2, dtype=torch.float64).view(-1, 2)
     for r, g in enumerate(results):
         # allreduce(Sum)'s gradient is allreduce(Sum) of the incoming gradients
-        assert torch.allclose(g["allreduce"], torch.full((3,), float(sum(k + 1 for k in range(n)))))
+        assert close(g["allreduce"], torch.full((3,), float(sum(k + 1 for k in range(n)))))
         # allgather: the averaged incoming gradient's rows that belong to this rank
         start = sum(k + 1 for k in range(r))
-        assert torch.allclose(g["allgather"], weights[start : start + r + 1])
+        assert close(g["allgather"], weights[start : start + r + 1])
         # broadcast: the averaged gradient on the root, zeros elsewhere
-        assert torch.allclose(g["broadcast"], torch.full((2,), mean_weight if r == 0 else 0.0))
+        assert close(g["broadcast"], torch.full((2,), mean_weight if r == 0 else 0.0))
         # reducescatter(Sum): allgather of the (size-scaled) gradients
-        assert torch.allclose(g["reducescatter"], torch.tensor([float(k // 2 + 1) * n for k in range(2 * n)]))
+        assert close(g["reducescatter"], torch.tensor([float(k // 2 + 1) * n for k in range(2 * n)]))
         # alltoall: element j went to rank j, whose weight is j + 1
-        assert torch.allclose(g["alltoall"], torch.tensor([float(j + 1) for j in range(n)]))
+        assert close(g["alltoall"], torch.tensor([float(j + 1) for j in range(n)]))
 
 
 def adasum_body(comm):

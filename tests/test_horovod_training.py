@@ -154,9 +154,7 @@ def test_sync_batch_norm_is_batch_norm_of_the_whole_batch(ranks, nprocs):
     with torch.no_grad():
         bn.weight.copy_(torch.arange(1.0, 5.0))
     y = bn(full)
-    weights = torch.cat(
-        [torch.arange(3 * 16, dtype=torch.float64).view(3, 4, 2, 2) + r * 1000 for r in range(nprocs)]
-    )
+    weights = torch.cat([torch.arange(3 * 16, dtype=torch.float64).view(3, 4, 2, 2) + r * 1000 for r in range(nprocs)])
     (y * weights).sum().backward()
     for r, (out, xgrad, wgrad, rmean, rvar) in enumerate(results):
         assert torch.allclose(out, y[r * 3 : (r + 1) * 3].detach(), atol=1e-10)
@@ -204,7 +202,7 @@ def test_elastic_run_restores_the_last_commit_and_retries(ranks):
     assert a0 == a1 == [0, 2]  # the retry starts at the committed batch
     assert torch.equal(w0, w1)  # synced from rank 0, then trained in step
     assert sd0 == sd1 and sd0["processed_num"] == 8
-    assert sorted(idx0 + idx1) == [8, 9]
+    assert sorted(idx0 + idx1) == [4, 5, 6, 7, 8, 9]  # restored to the commit: resumes after its batches
 
 
 def timeline_body(comm, path):

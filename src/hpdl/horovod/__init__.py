@@ -132,9 +132,14 @@ def _is_whole_world(comm: Any, world_size: int) -> bool:
         from mpi4py import MPI
     except ImportError:
         return False
-    return isinstance(comm, MPI.Comm) and comm.Get_size() == world_size and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (
-        MPI.IDENT,
-        MPI.CONGRUENT,
+    return (
+        isinstance(comm, MPI.Comm)
+        and comm.Get_size() == world_size
+        and MPI.Comm.Compare(comm, MPI.COMM_WORLD)
+        in (
+            MPI.IDENT,
+            MPI.CONGRUENT,
+        )
     )
 
 

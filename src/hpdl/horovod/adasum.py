@@ -11,7 +11,7 @@ result.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -53,7 +53,7 @@ def check(tensors: Sequence[torch.Tensor], process_set: Any, size: int) -> None:
             raise ValueError(f"Adasum reduces floating-point tensors, got {t.dtype}")
 
 
-def launch(comm: Communicator, outputs: list[torch.Tensor], postscale_factor: float) -> Callable[[], Any]:
+def launch(comm: Communicator, outputs: list[torch.Tensor], postscale_factor: float) -> Finish:
     """Gather every rank's tensors and combine them (the caller's `outputs` receive the result)."""
     n = comm.size
     works = [comm.allgather(out.reshape(1, -1), sizes=[1] * n, async_op=True) for out in outputs]

@@ -63,19 +63,18 @@ def broadcast_optimizer_state(
 
 
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Horovod's way to give a fresh optimizer its state: one step on zero gradients (without reducing)."""
-    from hpdl.horovod.optimizer import _DistributedOptimizer
+    """A fresh optimizer gets zero gradients, as Horovod gives it (scripts read `p.grad` afterwards).
 
+    Horovod also takes one optimizer step on them to create the state; hpdl does not: that step
+    advances Adam's step count, so the run would no longer match one process. The state comes from
+    the root when it has one, and is created by the first real step otherwise (the same on every rank).
+    """
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
                 if isinstance(optimizer, torch.optim.SparseAdam):
                     p.grad = p.grad.to_sparse()
-    if isinstance(optimizer, _DistributedOptimizer):
-        super(_DistributedOptimizer, optimizer).step()  # type: ignore[misc]
-    else:
-        optimizer.step()
 
 
 def _dumps(obj: Any) -> torch.Tensor:
@@ -116,7 +115,9 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessS
     """Every rank's picklable object, in a list ordered by rank within the set."""
     resolve(process_set, "allgather_object")
     payload = _dumps(obj)
-    sizes = ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=_part(name, "sz"), process_set=process_set)
+    sizes = ops.allgather(
+        torch.tensor([payload.numel()], dtype=torch.int64), name=_part(name, "sz"), process_set=process_set
+    )
     gathered = ops.allgather(payload, name=_part(name, "t"), process_set=process_set)
     out, start = [], 0
     for n in sizes.tolist():

@@ -17,7 +17,7 @@ from hpdl.comm.work import Work
 from hpdl.horovod import adasum, basics, engine
 from hpdl.horovod.basics import Adasum, Average, Sum, check_op
 from hpdl.horovod.compression import Compression
-from hpdl.horovod.engine import DTYPES, Finish, Request, Round, dtype_code, float_bits
+from hpdl.horovod.engine import DTYPES, Finish, Request, Round, bits_float, dtype_code, float_bits
 from hpdl.horovod.process_sets import ProcessSet, global_process_set, resolve
 
 __all__ = [
@@ -109,6 +109,10 @@ def _divide(t: torch.Tensor, divisor: int, factor: float) -> None:
         t.copy_((t.double() / divisor * factor).to(t.dtype))
 
 
+def _needs_grad(t: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and t.requires_grad
+
+
 def _submit(request: Request) -> int:
     return engine.submit(request)
 
@@ -120,6 +124,14 @@ def _name(name: Optional[str], op: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- allreduce
+_REDUCE_LABELS = [
+    ("op", lambda c: basics.op_name(c[0])),
+    ("prescale_factor", lambda c: bits_float(c[1])),
+    ("postscale_factor", lambda c: bits_float(c[2])),
+    *_shape_labels(3, False),
+]
+
+
 def _allreduce_request(
     kind_name: str,
     tensors: list[torch.Tensor],
@@ -143,12 +155,6 @@ def _allreduce_request(
             out.copy_(t)
         _scale(out, float(prescale_factor))
     common = [op, float_bits(prescale_factor), float_bits(postscale_factor), *_shape_fields(tensors, False)]
-    labels = [
-        ("op", lambda c: basics.op_name(c[0])),
-        ("prescale_factor", lambda c: c[1]),
-        ("postscale_factor", lambda c: c[2]),
-        *_shape_labels(3, False),
-    ]
 
     def launch(rnd: Round, req: Request) -> Callable[[], Any]:
         comm = rnd.comm
@@ -172,7 +178,7 @@ def _allreduce_request(
         return Finish(works, finish)
 
     key = engine.make_key("allreduce", name, ps)
-    return _submit(Request(key, "allreduce", common, labels, [], launch, ps))
+    return _submit(Request(key, "allreduce", common, _REDUCE_LABELS, [], launch, ps))
 
 
 def _in_place_buffer(t: torch.Tensor, op: str) -> torch.Tensor:
@@ -248,7 +254,12 @@ def allreduce(
 ) -> torch.Tensor:
     """The reduction of `tensor` across the set (default: the average), as a new tensor; differentiable."""
     compressed, ctx = compression.compress(tensor)
-    reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+    if _needs_grad(compressed):
+        reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+    else:  # no graph to record: skip autograd's bookkeeping
+        reduced = synchronize(
+            allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+        )
     return compression.decompress(reduced, ctx)
 
 
@@ -276,7 +287,9 @@ def grouped_allreduce_async(
 ) -> int:
     """Start reducing copies of `tensors` as one operation (one name, fused on the wire)."""
     reduce_op = check_op(op, average)
-    outs = [_check_tensor(t, "grouped_allreduce").detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    outs = [
+        _check_tensor(t, "grouped_allreduce").detach().clone(memory_format=torch.contiguous_format) for t in tensors
+    ]
     return _allreduce_request(
         "grouped_allreduce", outs, outs, _name(name, "grouped_allreduce"), reduce_op,
         prescale_factor, postscale_factor, process_set,
@@ -305,7 +318,9 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):  # type: ignore[override]
         ctx.average, ctx.op, ctx.process_set = average, op, process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
-        handle = grouped_allreduce_async(list(tensors), average, name, op, prescale_factor, postscale_factor, process_set)
+        handle = grouped_allreduce_async(
+            list(tensors), average, name, op, prescale_factor, postscale_factor, process_set
+        )
         return tuple(synchronize(handle))
 
     @staticmethod
@@ -383,7 +398,7 @@ def _allgather_request(kind_name: str, tensors: list[torch.Tensor], name: Option
     varying = [b.shape[0] for b in bufs]
 
     def launch(rnd: Round, req: Request) -> Callable[[], Any]:
-        dims = rnd.varying(req.hash)
+        dims = rnd.varying(req.hash, req.varying)
         works = []
         for i, b in enumerate(bufs):
             sizes = [d[i] if d is not None else 0 for d in dims]
@@ -399,7 +414,9 @@ def _allgather_request(kind_name: str, tensors: list[torch.Tensor], name: Option
     return _submit(Request(key, "allgather", common, _shape_labels(0, True), varying, launch, ps))
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> int:
+def allgather_async(
+    tensor: torch.Tensor, name: Optional[str] = None, process_set: ProcessSet = global_process_set
+) -> int:
     """Start concatenating every rank's `tensor` along dim 0 (dim 0 may differ between ranks)."""
     return _allgather_request("allgather", [tensor], _name(name, "allgather"), process_set)
 
@@ -424,6 +441,8 @@ class HorovodAllgather(torch.autograd.Function):
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Any:
     """Every rank's `tensor` concatenated along dim 0 (dim 0 may differ between ranks); differentiable."""
+    if not _needs_grad(tensor):
+        return synchronize(allgather_async(tensor, name, process_set))
     return HorovodAllgather.apply(tensor, name, process_set)
 
 
@@ -516,6 +535,8 @@ def broadcast(
     tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """`root_rank`'s tensor, as a new tensor on every rank; differentiable."""
+    if not _needs_grad(tensor):
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
@@ -548,7 +569,9 @@ def alltoall_async(
     else:
         if isinstance(splits, torch.Tensor):
             if splits.dtype != torch.int32:
-                raise ValueError(f"alltoall: splits must be a tensor of 32-bit integers (torch.int32), got {splits.dtype}")
+                raise ValueError(
+                    f"alltoall: splits must be a tensor of 32-bit integers (torch.int32), got {splits.dtype}"
+                )
             send = [int(s) for s in splits.tolist()]
         else:
             send = [int(s) for s in splits]
@@ -560,7 +583,7 @@ def alltoall_async(
 
     def launch(rnd: Round, req: Request) -> Callable[[], Any]:
         comm = rnd.comm
-        table = [v if v is not None else [0] * n for v in rnd.varying(req.hash)]
+        table = [v if v is not None else [0] * n for v in rnd.varying(req.hash, req.varying)]
         me = comm.rank
         received = [table[j][me] for j in range(n)]
         tail = tuple(buf.shape[1:])
@@ -635,18 +658,13 @@ def _reducescatter_request(
         _scale(b, float(prescale_factor))
         bufs.append(b)
     common = [op, float_bits(prescale_factor), float_bits(postscale_factor), *_shape_fields(bufs, False)]
-    labels = [
-        ("op", lambda c: basics.op_name(c[0])),
-        ("prescale_factor", lambda c: c[1]),
-        ("postscale_factor", lambda c: c[2]),
-        *_shape_labels(3, False),
-    ]
 
     def launch(rnd: Round, req: Request) -> Callable[[], Any]:
         comm = rnd.comm
         n, me = comm.size, comm.rank
         engine_op = basics.ENGINE_OPS[op]
-        works, slices = [], []
+        works: list[Work] = []
+        slices: list[Optional[tuple[int, int]]] = []
         for b in bufs:
             counts = _scatter_counts(b.shape[0], n)
             if b.shape[0] % n == 0:
@@ -672,7 +690,7 @@ def _reducescatter_request(
         return Finish(works, finish)
 
     key = engine.make_key("reducescatter", name, ps)
-    return _submit(Request(key, "reducescatter", common, labels, [], launch, ps))
+    return _submit(Request(key, "reducescatter", common, _REDUCE_LABELS, [], launch, ps))
 
 
 def reducescatter_async(
@@ -806,4 +824,3 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int) -> Any:
     """Wait for the operation behind `handle` and return its result (raises HorovodInternalError if it failed)."""
     return engine.synchronize(handle)
-

@@ -106,7 +106,7 @@ class _DistributedOptimizer:
         if unnamed:
             raise ValueError(
                 "named_parameters was specified, but one or more model parameters were not named "
-                f"({len(unnamed)} of {len(all_params)}); pass model.named_parameters() of the model the optimizer trains"
+                f"({len(unnamed)} of {len(all_params)}); pass model.named_parameters() of the model it trains"
             )
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
         self.backward_passes_per_step = backward_passes_per_step
@@ -144,9 +144,7 @@ class _DistributedOptimizer:
 
     def _check_agreement(self, params: list[torch.Tensor]) -> None:
         """Every member wraps the same parameters (names, shapes, dtypes): one small named allgather."""
-        listing = ";".join(
-            f"{self._parameter_names.get(p)}:{tuple(p.shape)}:{p.dtype}" for p in params
-        )
+        listing = ";".join(f"{self._parameter_names.get(p)}:{tuple(p.shape)}:{p.dtype}" for p in params)
         digest = zlib.crc32(listing.encode())
         settings = (digest, len(params), self.op, self.backward_passes_per_step, str(self._wire))
         everyone = functions.allgather_object(settings, name="DistributedOptimizer.setup", process_set=self.process_set)
@@ -201,19 +199,20 @@ class _DistributedOptimizer:
         pre, post = (1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
         if self.op != Average:
             pre = post = 1.0
-        pairs = [self._compression.compress(p.grad.to_dense() if p.grad.is_sparse else p.grad) for p in dense]
+        grads = {p: p.grad for p in params if p.grad is not None}
+        pairs = [self._compression.compress(grads[p].to_dense() if grads[p].is_sparse else grads[p]) for p in dense]
         handle = ops.grouped_allreduce_async_(
             [c for c, _ in pairs], name=f"DistributedOptimizer.{self._parameter_names[dense[0]]}" if dense else None,
             op=self.op, prescale_factor=pre, postscale_factor=post, process_set=self.process_set,
         ) if dense else None  # fmt: skip
         sparse_handles = [
-            ops.sparse_allreduce_async(p.grad, self._parameter_names[p], self.op, self.process_set) for p in sparse
+            ops.sparse_allreduce_async(grads[p], self._parameter_names[p], self.op, self.process_set) for p in sparse
         ]
         if handle is not None:
             outs = ops.synchronize(handle)
             for p, out, (_, ctx) in zip(dense, outs, pairs):
                 reduced = self._compression.decompress(out, ctx)
-                p.grad = reduced.to_sparse() if p.grad.is_sparse else reduced.view_as(p)
+                p.grad = reduced.to_sparse() if grads[p].is_sparse else reduced.view_as(p)
         for p, h in zip(sparse, sparse_handles):
             p.grad = h()
 
@@ -322,7 +321,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
     if op not in (Average, Sum, Adasum):
-        raise ValueError(f"DistributedOptimizer: op={basics.op_name(op)}; gradients are reduced with Average, Sum or Adasum")
+        raise ValueError(
+            f"DistributedOptimizer: op={basics.op_name(op)}; gradients are reduced with Average, Sum or Adasum"
+        )
     if op == Adasum and process_set is not global_process_set:
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
     wire_name(compression)

@@ -34,11 +34,7 @@ class ProcessSet:
                 raise ValueError("ProcessSet takes a list of process ranks (ints) or an mpi4py Comm object")
             self.ranks = ranks
         else:
-            try:
-                from mpi4py import MPI
-            except ImportError:
-                MPI = None  # noqa: N806
-            if MPI is None or not isinstance(ranks_or_comm, MPI.Comm):
+            if not _is_mpi_comm(ranks_or_comm):
                 raise ValueError("ProcessSet takes a list of process ranks (ints) or an mpi4py Comm object")
             self.mpi_comm = ranks_or_comm
 
@@ -82,6 +78,14 @@ class ProcessSet:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
 
     __repr__ = __str__
+
+
+def _is_mpi_comm(obj: Any) -> bool:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return False
+    return isinstance(obj, MPI.Comm)
 
 
 global_process_set = ProcessSet([])
@@ -128,9 +132,7 @@ def resolve(process_set: Optional[ProcessSet], op: str) -> ProcessSet:
     if ps.process_set_id is None or registry.sets.get(ps.process_set_id) is not ps:
         raise ValueError(f"{op}: {ps} was never added or has been removed; use hvd.add_process_set first")
     if ps.comm is None:
-        raise ValueError(
-            f"{op}: rank {basics.rank()} is not in {ps}; only its members may run collectives on it"
-        )
+        raise ValueError(f"{op}: rank {basics.rank()} is not in {ps}; only its members may run collectives on it")
     return ps
 
 

@@ -66,7 +66,7 @@ class SyncBatchNorm(_BatchNorm):
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
             momentum = self.momentum
             if momentum is None:
-                momentum = 1.0 / float(self.num_batches_tracked)
+                momentum = 1.0 / float(self.num_batches_tracked)  # type: ignore[arg-type]
             with torch.no_grad():
                 unbiased = var * (n / max(float(n) - 1, 1.0))
                 self.running_mean.mul_(1 - momentum).add_(mean.detach() * momentum)

@@ -84,6 +84,10 @@ def end(name: str) -> None:
         t.events.append({"ph": "E", "ts": t.now_us(), "pid": t.pid(name), "tid": 1})
 
 
+def active() -> bool:
+    return _active is not None
+
+
 def marking_cycles() -> bool:
     return _active is not None and _active.mark_cycles
 

@@ -76,6 +76,9 @@ class ObjectState(State):
 class TorchState(ObjectState):
     """A model, an optimizer and any other attributes (samplers with `state_dict` too) for `hvd.elastic.run`."""
 
+    _handled: dict[str, Any]
+    _saved_dicts: dict[str, Any]
+
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  **kwargs: Any):  # fmt: skip
         handled = {k: v for k, v in kwargs.items() if _has_state_dict(v)}
