@@ -88,23 +88,22 @@ def _shape_labels(offset: int, tail_only: bool) -> list[tuple[str, Callable[[lis
 
 
 def _scale(t: torch.Tensor, factor: float) -> None:
-    """Horovod's scaling: integers in float64 (truncated back), float16 in float32, others in their own type."""
+    """Horovod's scale factors on CPU: integers in float64 (truncated back), float16/bfloat16 in float32,
+    floating types in their own precision."""
     if factor == 1.0:
         return
-    if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.bfloat16):
+    if t.dtype in (torch.float32, torch.float64) or t.dtype.is_complex:
         t.mul_(factor)
-    elif t.dtype.is_floating_point or t.dtype.is_complex:
-        t.copy_(t.float() * factor)
+    elif t.dtype.is_floating_point:
+        t.copy_(t.float() * torch.tensor(factor, dtype=torch.float32))
     else:
         t.copy_((t.double() * factor).to(t.dtype))
 
 
 def _divide(t: torch.Tensor, divisor: int, factor: float) -> None:
-    """Average's division by the set's size, folded into the postscale factor (as Horovod does)."""
-    if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.bfloat16):
+    """Average's division by the set's size and the postscale factor, in float64, rounded once."""
+    if t.dtype == torch.float64 or t.dtype.is_complex:
         t.mul_(factor / divisor)
-    elif t.dtype.is_floating_point or t.dtype.is_complex:
-        t.copy_(t.float() * (factor / divisor))
     else:
         t.copy_((t.double() / divisor * factor).to(t.dtype))
 
