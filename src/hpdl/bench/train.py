@@ -7,6 +7,7 @@ them alike:
     hpdl-mpi        hpdl.parallel.DataParallel over hpdl.init("mpi")   (mpi4py + shared memory)
     hpdl-mpi-noshm  the same with comm.shared_memory = False (plain MPI)
     hpdl-gloo       hpdl.parallel.DataParallel over hpdl.init("torch") (gloo)
+    hpdl.horovod    a Horovod user's script on `import hpdl.horovod as hvd` (DistributedOptimizer, MPI)
     ddp-gloo        torch.nn.parallel.DistributedDataParallel on gloo (its defaults)
     independent     every rank trains its own model, no communication (the ceiling)
     single          rank 0 alone, the other ranks asleep (the scaling reference)
@@ -37,7 +38,8 @@ from hpdl.bench.comm import _positive
 
 __all__ = ["launch", "main"]
 
-CONTENDERS = ("hpdl-mpi", "hpdl-mpi-noshm", "hpdl-gloo", "ddp-gloo", "independent", "single")
+CONTENDERS = ("hpdl-mpi", "hpdl-mpi-noshm", "hpdl-gloo", "hpdl.horovod", "ddp-gloo", "independent", "single")
+SAME_TRAJECTORY = ("hpdl-mpi", "hpdl-mpi-noshm", "hpdl-gloo", "hpdl.horovod", "ddp-gloo")
 MODELS = {"mlp": 64, "cnn": 32}
 """Model name -> per-rank batch."""
 TARGET_VS_DDP = 1.10
@@ -219,6 +221,12 @@ def make_contenders(name: str, mpi: Any, gloo: Any, bucket_mb: float) -> list[Co
             model = DataParallel(fresh(), gloo, bucket_mb=bucket_mb)
         elif contender == "ddp-gloo":
             model = DistributedDataParallel(fresh())
+        elif contender == "hpdl.horovod":
+            from hpdl.bench.train_horovod import horovod_contender
+
+            model, optimizer = horovod_contender(fresh(), sgd, bucket_mb)
+            out.append(Contender(contender, model, optimizer, mpi_barrier))
+            continue
         else:
             model = fresh()
         # single: the idle ranks wait in gloo's barrier, which sleeps (an MPI barrier would spin on a core)
@@ -273,7 +281,7 @@ def measure_model(name: str, options: Options, mpi: Any, gloo: Any) -> list[dict
         stats = report.summarize(samples)
         module = getattr(c.model, "module", c.model)
         diff = None
-        if c.name in ("hpdl-mpi", "hpdl-mpi-noshm", "hpdl-gloo", "ddp-gloo"):
+        if c.name in SAME_TRAJECTORY:
             diff = max(float((a.detach() - b).abs().max()) for a, b in zip(module.parameters(), reference))
         records.append(
             {
@@ -329,6 +337,10 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
             f"{report.verdict(ratio >= TARGET_VS_DDP)} {model}: hpdl-mpi {ratio:.2f}x DDP's samples/s "
             f"(target >= {TARGET_VS_DDP}x)"
         )
+        if "hpdl.horovod" in mine:
+            from hpdl.bench.train_horovod import verdicts as horovod_verdicts
+
+            verdicts.extend(horovod_verdicts(model, mine))
         for name in ("hpdl-mpi", "hpdl-gloo"):
             low = mine[name]["vs_ddp"]
             verdicts.append(f"{report.verdict(low >= FLOOR_VS_DDP)} {model}: {name} {low:.2f}x DDP (never below 1.0x)")
