@@ -388,7 +388,8 @@ def gram_partial(
 
 KNN_QUERY_ROWS = 128
 KNN_INDEX_ROWS = 1024
-"""Queries x index rows per distance block (512 KiB in float32; measured best of 64-512 x 1024-8192): a block is scanned right after the product
+"""Queries x index rows per distance block (512 KiB in float32; measured best of 64-512 x 1024-8192):
+a block is scanned right after the product
 that wrote it, so it is read back from cache; the index chunk is the product's operand in place (no copy)."""
 
 
