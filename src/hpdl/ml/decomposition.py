@@ -32,9 +32,19 @@ def _sums(block: tuple, meta: Any) -> tuple:
     return (block[0].sum(axis=0, dtype=np.float64),)
 
 
-def _gram(block: tuple, meta: Any, mean: np.ndarray) -> tuple:
+def _moments(block: tuple, meta: Any) -> tuple:
+    """(column sums, X^T X) of a block in float64, in one pass (scikit-learn's "covariance_eigh" moments)."""
     X = block[0]
-    return (kernels.gram_partial(X, np.zeros((X.shape[0], 0)), None, mean, np.zeros(0))[0],)
+    if X.dtype == np.float64:
+        return X.sum(axis=0), X.T @ X  # NumPy runs A.T @ A as one symmetric rank-k update
+    d = X.shape[1]
+    sums, gram = np.zeros(d), np.zeros((d, d))
+    step = kernels.chunk_rows(d, 0, 8)
+    for s in range(0, X.shape[0], step):
+        x = X[s : s + step].astype(np.float64)
+        sums += x.sum(axis=0)
+        gram += x.T @ x
+    return sums, gram
 
 
 def _local_r(block: tuple, meta: Any, mean: np.ndarray) -> np.ndarray:
@@ -58,9 +68,16 @@ def _flip(components: np.ndarray) -> np.ndarray:
     return components * signs[:, None]
 
 
-def _spectrum(shards: Shards, mean: np.ndarray, solver: str) -> tuple[np.ndarray, np.ndarray]:
-    """(squared singular values, descending; right singular vectors as rows) of X - mean over every block."""
+def _spectrum(shards: Shards, solver: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean; squared singular values, descending; right singular vectors as rows) of X - mean over every block.
+
+    "covariance_eigh": one pass, one reduction of (sum x, X^T X), then X^T X - n m m^T (as scikit-learn; the
+    subtraction loses relative accuracy in the small eigenvalues when the mean is large beside the spread).
+    "tsqr": the mean first, then R factors of X - mean: no squaring, no cancellation.
+    """
+    n = shards.n_samples
     if solver in ("full", "tsqr"):
+        mean = shards.reduce(_sums)[0] / n
         factors = [r for r in shards.gather(_local_r, mean) if r.shape[0]]
         R = scipy.linalg.qr(np.vstack(factors), mode="r", check_finite=False)[0]
         _, s, Vt = scipy.linalg.svd(R, full_matrices=False, check_finite=False)
@@ -71,10 +88,12 @@ def _spectrum(shards: Shards, mean: np.ndarray, solver: str) -> tuple[np.ndarray
         V[: Vt.shape[0]] = Vt
         if Vt.shape[0] < d:  # fewer rows than features: complete the basis (zero singular values)
             V[Vt.shape[0] :] = scipy.linalg.null_space(Vt).T
-        return s2, V
-    G = shards.reduce(_gram, mean)[0]
+        return mean, s2, V
+    sums, G = shards.reduce(_moments)
+    mean = sums / n
+    G -= n * np.outer(mean, mean)
     values, vectors = scipy.linalg.eigh(G, check_finite=False)
-    return np.maximum(values[::-1], 0.0), vectors[:, ::-1].T
+    return mean, np.maximum(values[::-1], 0.0), vectors[:, ::-1].T
 
 
 class _Decomposition(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
@@ -176,8 +195,7 @@ class PCA(_Decomposition):
         if n < 2 and self.n_components != 0:
             raise ValueError(f"PCA needs at least 2 samples to estimate a covariance, got n_samples={n}")
         nc = self._count(n, d)
-        mean = shards.reduce(_sums)[0] / n
-        s2, V = _spectrum(shards, mean, "full" if self.svd_solver in ("full", "tsqr") else "covariance_eigh")
+        mean, s2, V = _spectrum(shards, "full" if self.svd_solver in ("full", "tsqr") else "covariance_eigh")
         rank = min(n, d)
         variance = s2[:rank] / (n - 1)
         total = variance.sum()
@@ -207,7 +225,7 @@ class PCA(_Decomposition):
             if n < d:
                 raise ValueError("n_components='mle' is only supported if n_samples >= n_features")
             return d
-        if isinstance(nc, Integral) and nc > min(n, d):
+        if isinstance(nc, Integral) and int(nc) > min(n, d):
             raise ValueError(
                 f"n_components={nc} must be between 0 and min(n_samples, n_features)={min(n, d)} with "
                 "svd_solver='covariance_eigh'"
@@ -288,8 +306,8 @@ class TruncatedSVD(_Decomposition):
         nc = self.n_components
         if nc > d:
             raise ValueError(f"n_components({nc}) must be <= n_features({d}).")
-        mean = shards.reduce(_sums)[0] / n
-        G = shards.reduce(_gram, np.zeros(d))[0]
+        sums, G = shards.reduce(_moments)
+        mean = sums / n
         values, vectors = scipy.linalg.eigh(G, check_finite=False)
         order = np.argsort(values)[::-1][:nc]
         V = _flip(vectors[:, order].T)

@@ -91,6 +91,9 @@ class LogisticRegression(DistributedMixin, ClassifierMixin, BaseEstimator):
     rank's rows. A Dask array runs on the current Client.
     """
 
+    coef_: np.ndarray
+    intercept_: np.ndarray
+
     _parameter_constraints: dict = {
         "penalty": [StrOptions({"l2", "deprecated"}), None],
         "C": [Interval(Real, 0, None, closed="right")],
