@@ -113,3 +113,32 @@ def test_neighbours_on_dask_equal_one_process(client):
     reg = KNeighborsRegressor(3).fit(dX, dy.astype(float))
     ref_reg = KNeighborsRegressor(3).fit(X[:1500], y[:1500])
     np.testing.assert_allclose(reg.predict(queries)[clear], ref_reg.predict(queries)[clear])
+
+
+def test_logistic_pca_and_svd_on_dask_equal_one_process(client):
+    from sklearn.datasets import load_breast_cancer, load_wine
+    from sklearn.preprocessing import StandardScaler
+
+    from hpdl.ml import PCA, LogisticRegression, TruncatedSVD
+
+    for load in (load_wine, load_breast_cancer):  # multinomial, then binary
+        X, y = load(return_X_y=True)
+        X = StandardScaler().fit_transform(X)
+        dX, dy = da.from_array(X, chunks=(50, X.shape[1])), da.from_array(y, chunks=50)
+        ours = LogisticRegression(C=0.5, tol=1e-10, max_iter=5000).fit(dX, dy)
+        ref = LogisticRegression(C=0.5, tol=1e-10, max_iter=5000).fit(X, y)
+        np.testing.assert_allclose(ours.coef_, ref.coef_, atol=1e-4 * np.abs(ref.coef_).max())
+        np.testing.assert_allclose(ours.predict_proba(dX).compute(), ref.predict_proba(X), atol=1e-5)
+        np.testing.assert_array_equal(ours.classes_, ref.classes_)
+        assert ours.score(dX, dy) == pytest.approx(ref.score(X, y), abs=1.5 / len(y))
+    X = StandardScaler().fit_transform(load_wine().data) + 0.5
+    dX = da.from_array(X, chunks=(40, 13))
+    for solver in ("covariance_eigh", "tsqr"):
+        ours, ref = PCA(4, svd_solver=solver).fit(dX), PCA(4).fit(X)
+        np.testing.assert_allclose(ours.explained_variance_, ref.explained_variance_, rtol=1e-9)
+        np.testing.assert_allclose(np.abs(ours.components_), np.abs(ref.components_), atol=1e-9)
+        signs = np.sign(np.sum(ours.components_ * ref.components_, axis=1))
+        np.testing.assert_allclose(ours.transform(dX).compute() * signs, ref.transform(X), atol=1e-9)
+    ours, ref = TruncatedSVD(3).fit(dX), TruncatedSVD(3).fit(X)
+    np.testing.assert_allclose(ours.singular_values_, ref.singular_values_, rtol=1e-9)
+    np.testing.assert_allclose(ours.explained_variance_ratio_, ref.explained_variance_ratio_, rtol=1e-9)

@@ -7,14 +7,19 @@ KMeans(n_clusters=16).fit(dask_array)          # on the current dask.distributed
 """
 
 from hpdl.ml.base import ShardMismatchError
+from hpdl.ml.decomposition import PCA, TruncatedSVD
 from hpdl.ml.kmeans import KMeans
 from hpdl.ml.linear import LinearRegression, Ridge
+from hpdl.ml.logistic import LogisticRegression
 from hpdl.ml.neighbors import KNeighborsClassifier, KNeighborsRegressor, NearestNeighbors
 
 __all__ = [
     "KMeans",
     "LinearRegression",
     "Ridge",
+    "LogisticRegression",
+    "PCA",
+    "TruncatedSVD",
     "NearestNeighbors",
     "KNeighborsClassifier",
     "KNeighborsRegressor",

@@ -12,7 +12,8 @@ sums are accumulated in float64 across chunks.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -34,44 +35,98 @@ __all__ = [
 CHUNK_BYTES = 1 << 20
 
 
-def _compile_lloyd() -> Any:
-    """The fused Lloyd step (numba), or None where numba is not installed."""
+def _compile() -> dict[str, Any]:
+    """The fused loops (numba), or {} where numba is not installed (the torch path then runs)."""
     try:
         from numba import njit
     except ImportError:
-        return None
+        return {}
 
-    @njit(cache=True, nogil=True)
-    def step(D, xsq, X, w, use_w, sums, counts):  # type: ignore[no-untyped-def]
-        n, k = D.shape
+    @njit(cache=True, nogil=True, boundscheck=False)
+    def argmin_columns(DT, best, lab):  # type: ignore[no-untyped-def]
+        """Per column of DT (k x m): the smallest value and its row; the first minimum wins, as np.argmin.
+
+        Written as selects over contiguous columns so that LLVM vectorises it across rows.
+        """
+        k, m = DT.shape
+        for i in range(m):
+            best[i] = DT[0, i]
+            lab[i] = 0
+        for j in range(1, k):
+            for i in range(m):
+                v = DT[j, i]
+                b = best[i]
+                less = v < b
+                best[i] = v if less else b
+                lab[i] = j if less else lab[i]
+
+    @njit(cache=True, nogil=True, boundscheck=False)
+    def lloyd_step(DT, xsq, X, w, use_w, sums, counts, best, lab):  # type: ignore[no-untyped-def]
+        """argmin over the centres, then the per-centre sums and weights and the inertia, in one pass."""
+        m = DT.shape[1]
         d = X.shape[1]
+        argmin_columns(DT, best, lab)
         inertia = 0.0
-        for i in range(n):
-            best = D[i, 0]
-            label = 0
-            for j in range(1, k):  # the first minimum wins, as np.argmin
-                if D[i, j] < best:
-                    best = D[i, j]
-                    label = j
-            dist = best + xsq[i]
+        for i in range(m):
+            label = lab[i]
+            dist = best[i] + xsq[i]
             if dist < 0:
                 dist = 0.0
-            wi = w[i] if use_w else 1.0
-            inertia += wi * dist
-            counts[label] += wi
-            for f in range(d):
-                sums[label, f] += wi * X[i, f]
+            if use_w:
+                wi = w[i]
+                inertia += wi * dist
+                counts[label] += wi
+                for f in range(d):
+                    sums[label, f] += wi * X[i, f]
+            else:
+                inertia += dist
+                counts[label] += 1.0
+                for f in range(d):
+                    sums[label, f] += X[i, f]
         return inertia
 
-    return step
+    @njit(cache=True, nogil=True, boundscheck=False)
+    def assign_step(DT, xsq, best, lab, dist_out, lab_out):  # type: ignore[no-untyped-def]
+        argmin_columns(DT, best, lab)
+        for i in range(DT.shape[1]):
+            dist = best[i] + xsq[i]
+            dist_out[i] = dist if dist > 0 else 0.0
+            lab_out[i] = lab[i]
+
+    @njit(cache=True, nogil=True, boundscheck=False)
+    def topk_insert(D, col0, best_d, best_i):  # type: ignore[no-untyped-def]
+        """Merge a distance block (queries x index rows) into each query's running k best (ascending).
+
+        A candidate enters only when it beats the current k-th, so most of the
+        block costs one comparison; ties keep the earlier (smaller) index.
+        """
+        m, c = D.shape
+        k = best_d.shape[1]
+        for q in range(m):
+            threshold = best_d[q, k - 1]
+            for j in range(c):
+                v = D[q, j]
+                if v < threshold:
+                    p = k - 1
+                    while p > 0 and best_d[q, p - 1] > v:
+                        best_d[q, p] = best_d[q, p - 1]
+                        best_i[q, p] = best_i[q, p - 1]
+                        p -= 1
+                    best_d[q, p] = v
+                    best_i[q, p] = col0 + j
+                    threshold = best_d[q, k - 1]
+
+    return {"lloyd": lloyd_step, "assign": assign_step, "topk": topk_insert}
 
 
-_LLOYD_STEP = _compile_lloyd()
+_JIT = _compile()
 _NO_WEIGHTS = np.zeros(1)
+USE_JIT = bool(_JIT)
+"""False forces the torch path (the one CUDA tensors take); tests flip it to compare the two."""
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the fused Lloyd step for float32/float64, with and without weights.
+    """Compile (or load from numba's cache) the fused loops for float32/float64, with and without weights.
 
     A benchmark calls it before timing, so that JIT compilation is set-up time.
     """
@@ -79,12 +134,54 @@ def warm_up() -> None:
         X = np.ones((2, 2), dtype=dtype)
         for w in (None, np.ones(2)):
             lloyd_partial(X, row_sq_norms(X), w, X[:1].copy())
+        assign(X, None, X[:1].copy())
+        knn_block(X, row_sq_norms(X), X, 1, 0, "euclidean")
 
 
-def chunk_rows(n_features: int, n_centres: int, itemsize: int) -> int:
-    """Rows per chunk so that the chunk and its distance matrix fit ~1 MiB (between 256 and 16384)."""
+def chunk_rows(n_features: int, n_centres: int, itemsize: int, most: int = 16384) -> int:
+    """Rows per chunk so that the chunk and its distance matrix fit ~1 MiB (between 256 and `most`)."""
     rows = CHUNK_BYTES // max(1, itemsize * (n_features + n_centres))
-    return int(min(16384, max(256, rows)))
+    return int(min(most, max(256, rows)))
+
+
+LLOYD_MAX_ROWS = 4096
+"""Rows per Lloyd chunk at most: measured best on 500k x 32 x 16 float32 (the chunk and its k x rows distance
+block stay in L2 between the product and the pass that reads them back)."""
+
+
+class _Workspace(threading.local):
+    """Per-thread scratch buffers reused across calls and iterations (a Dask worker may run two blocks at once)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, Any] = {}
+
+    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        buf = self.buffers.get(key)
+        if buf is None:
+            if len(self.buffers) > 16:
+                self.buffers.clear()
+            buf = self.buffers[key] = make()
+        return buf
+
+
+_WORK = _Workspace()
+
+
+def _lloyd_buffers(k: int, step: int, dtype: Any) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """(k x step distance block, best distance per row, label per row), allocated once per shape and thread."""
+    dt = np.dtype(dtype)
+    return _WORK.get(
+        ("lloyd", k, step, dt.str),
+        lambda: (
+            torch.empty(k * step, dtype=torch.from_numpy(np.zeros(0, dt)).dtype),
+            np.empty(step, dt),
+            np.empty(step, np.int32),
+        ),
+    )
+
+
+def _use_jit(*arrays: Any) -> bool:
+    return USE_JIT and all(a is None or isinstance(a, np.ndarray) for a in arrays)
 
 
 def _t(a: Any) -> torch.Tensor:
@@ -106,9 +203,15 @@ def row_sq_norms(X: np.ndarray) -> np.ndarray:
 
 
 def _centre_terms(centres: np.ndarray, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(-2 C^T contiguous, ||c||^2): the two operands of the fused addmm."""
+    """(-2 C^T contiguous, ||c||^2): the two operands of the fused addmm (rows x k layout, the torch path)."""
     C = torch.from_numpy(np.ascontiguousarray(centres, dtype=dtype))
     return (-2.0 * C).T.contiguous(), (C * C).sum(1)
+
+
+def _centre_terms_t(centres: np.ndarray, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-2 C, ||c||^2 as a column): operands of the k x rows product whose columns the fused argmin scans."""
+    C = torch.from_numpy(np.ascontiguousarray(centres, dtype=dtype))
+    return -2.0 * C, (C * C).sum(1)[:, None].contiguous()
 
 
 def lloyd_partial(
@@ -117,29 +220,51 @@ def lloyd_partial(
     """One Lloyd E-step on a block: per-centre weighted sums and weights, and the block's inertia.
 
     Inertia here is measured against `centres` (the centres before this
-    update), as in scikit-learn's Lloyd loop.
+    update), as in scikit-learn's Lloyd loop. NumPy blocks take the fused
+    path: per chunk one product `||c||^2 - 2 C X^T` (k x rows, into a reused
+    buffer) and one compiled pass for argmin, sums, weights and inertia.
+    Other arrays (torch, CUDA through DLPack) take the torch path.
     """
     k, d = centres.shape
-    sums = torch.zeros((k, d), dtype=torch.float64)
-    counts = torch.zeros(k, dtype=torch.float64)
-    inertia = 0.0
     n = X.shape[0]
     if n == 0:
-        return _np(sums), _np(counts), inertia
-    Xt, xsqt = _t(X), _t(xsq)
-    wt = None if w is None else _t(w)
-    ct, csq = _centre_terms(centres, X.dtype)
-    step = chunk_rows(d, k, X.itemsize)
-    if _LLOYD_STEP is not None and isinstance(X, np.ndarray):
+        return np.zeros((k, d)), np.zeros(k), 0.0
+    if _use_jit(X, xsq, w):
+        step = chunk_rows(d, k, X.itemsize, LLOYD_MAX_ROWS)
+        c2, csq = _centre_terms_t(centres, X.dtype)
+        flat, best, lab = _lloyd_buffers(k, step, X.dtype)
+        Xt = torch.from_numpy(X)
         acc_sums, acc_counts = np.zeros((k, d)), np.zeros(k)
         weights = _NO_WEIGHTS if w is None else np.asarray(w, dtype=np.float64)
+        inertia = 0.0
+        fused = _JIT["lloyd"]
         for s in range(0, n, step):
-            dmat = torch.addmm(csq, Xt[s : s + step], ct).numpy()
+            xc = Xt[s : s + step]
+            m = xc.shape[0]
+            block = flat[: k * m].view(k, m)
+            torch.addmm(csq, c2, xc.T, out=block)
             wseg = weights if w is None else weights[s : s + step]
-            inertia += _LLOYD_STEP(dmat, xsq[s : s + step], X[s : s + step], wseg, w is not None, acc_sums, acc_counts)
+            inertia += fused(
+                block.numpy(), xsq[s : s + step], X[s : s + step], wseg, w is not None, acc_sums, acc_counts, best, lab
+            )
         return acc_sums, acc_counts, inertia
-    part = torch.zeros((k, d), dtype=Xt.dtype)
-    for s in range(0, n, step):
+    return _lloyd_partial_torch(X, xsq, w, centres)
+
+
+def _lloyd_partial_torch(X: Any, xsq: Any, w: Any, centres: Any) -> tuple[Any, Any, float]:
+    """The same step in torch ops only (CPU tensors, or CUDA tensors for CuPy input): min, index_add_, bincount."""
+    Xt, xsqt = _t(X), _t(xsq)
+    k, d = centres.shape
+    dev = Xt.device
+    sums = torch.zeros((k, d), dtype=torch.float64, device=dev)
+    counts = torch.zeros(k, dtype=torch.float64, device=dev)
+    inertia = torch.zeros((), dtype=torch.float64, device=dev)
+    wt = None if w is None else _t(w)
+    C = _t(centres).to(device=dev, dtype=Xt.dtype)
+    ct, csq = (-2.0 * C).T.contiguous(), (C * C).sum(1)
+    step = chunk_rows(d, k, Xt.element_size())
+    part = torch.zeros((k, d), dtype=Xt.dtype, device=dev)
+    for s in range(0, Xt.shape[0], step):
         xc = Xt[s : s + step]
         dist = torch.addmm(csq, xc, ct)
         best, labels = dist.min(1)
@@ -149,35 +274,63 @@ def lloyd_partial(
         if wt is None:
             part.index_add_(0, labels, xc)
             counts += torch.bincount(labels, minlength=k)
-            inertia += float(best.sum(dtype=torch.float64))
+            inertia += best.sum(dtype=torch.float64)
         else:
             wc = wt[s : s + step]
             part.index_add_(0, labels, xc * wc[:, None])
             counts += torch.bincount(labels, weights=wc.to(torch.float64), minlength=k)
-            inertia += float((best.to(torch.float64) * wc).sum())
+            inertia += (best.to(torch.float64) * wc).sum()
         sums += part
-    return _np(sums), _np(counts), inertia
+    if isinstance(X, np.ndarray):
+        return _np(sums), _np(counts), float(inertia)
+    return sums, counts, float(inertia)
 
 
 def assign(X: np.ndarray, xsq: Optional[np.ndarray], centres: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Nearest centre of each row and the squared distance to it (clipped at 0)."""
     n = X.shape[0]
     k, d = centres.shape
+    if not _use_jit(X, xsq):
+        return _assign_torch(X, xsq, centres)
     labels = np.empty(n, dtype=np.int32)
     dist_out = np.empty(n, dtype=X.dtype)
     if n == 0:
         return labels, dist_out
-    Xt = _t(X)
-    xsqt = _t(xsq) if xsq is not None else (Xt * Xt).sum(1)
-    ct, csq = _centre_terms(centres, X.dtype)
-    step = chunk_rows(d, k, X.itemsize)
-    lab_t, dist_t = torch.from_numpy(labels), torch.from_numpy(dist_out)
+    if xsq is None:
+        xsq = row_sq_norms(X)
+    step = chunk_rows(d, k, X.itemsize, LLOYD_MAX_ROWS)
+    c2, csq = _centre_terms_t(centres, X.dtype)
+    flat, best, lab = _lloyd_buffers(k, step, X.dtype)
+    Xt = torch.from_numpy(X)
+    fused = _JIT["assign"]
     for s in range(0, n, step):
-        dist = torch.addmm(csq, Xt[s : s + step], ct)
-        best, lab = dist.min(1)
-        best += xsqt[s : s + step]
-        dist_t[s : s + step] = best.clamp_(min=0)
-        lab_t[s : s + step] = lab
+        xc = Xt[s : s + step]
+        m = xc.shape[0]
+        block = flat[: k * m].view(k, m)
+        torch.addmm(csq, c2, xc.T, out=block)
+        fused(block.numpy(), xsq[s : s + step], best, lab, dist_out[s : s + step], labels[s : s + step])
+    return labels, dist_out
+
+
+def _assign_torch(X: Any, xsq: Any, centres: Any) -> tuple[Any, Any]:
+    Xt = _t(X)
+    n = Xt.shape[0]
+    k, d = centres.shape
+    labels = torch.empty(n, dtype=torch.int32, device=Xt.device)
+    dist_out = torch.empty(n, dtype=Xt.dtype, device=Xt.device)
+    if n:
+        xsqt = _t(xsq) if xsq is not None else (Xt * Xt).sum(1)
+        C = _t(centres).to(device=Xt.device, dtype=Xt.dtype)
+        ct, csq = (-2.0 * C).T.contiguous(), (C * C).sum(1)
+        step = chunk_rows(d, k, Xt.element_size())
+        for s in range(0, n, step):
+            dist = torch.addmm(csq, Xt[s : s + step], ct)
+            best, lab = dist.min(1)
+            best += xsqt[s : s + step]
+            dist_out[s : s + step] = best.clamp_(min=0)
+            labels[s : s + step] = lab
+    if isinstance(X, np.ndarray):
+        return _np(labels), _np(dist_out)
     return labels, dist_out
 
 
@@ -233,40 +386,97 @@ def gram_partial(
     return G, b
 
 
+KNN_QUERY_ROWS = 128
+KNN_INDEX_ROWS = 1024
+"""Queries x index rows per distance block (512 KiB in float32; measured best of 64-512 x 1024-8192):
+a block is scanned right after the product
+that wrote it, so it is read back from cache; the index chunk is the product's operand in place (no copy)."""
+
+
 def knn_block(
     index: np.ndarray, index_sq: np.ndarray, queries: np.ndarray, k: int, offset: int, metric: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """The k nearest rows of `index` for each query: (squared euclidean or cosine distance, global index).
 
-    Fewer than k columns when the block holds fewer than k rows.
+    Fewer than k columns when the block holds fewer than k rows. Queries go
+    in blocks; each block's distances to one index chunk are one product,
+    merged into every query's running k best by a compiled insertion pass
+    (no row is sorted). Euclidean distances of the winners are then computed
+    again from the differences in float64, so the reported values do not
+    carry the product's cancellation error.
     """
     m = queries.shape[0]
-    kk = min(k, index.shape[0])
-    dist_out = np.empty((m, kk), dtype=np.float64)
-    idx_out = np.empty((m, kk), dtype=np.int64)
+    n = index.shape[0]
+    kk = min(k, n)
     if kk == 0 or m == 0:
-        return dist_out, idx_out
-    It = _t(index)
-    Qt = _t(np.ascontiguousarray(queries, dtype=index.dtype))
-    isq = _t(index_sq)
-    if metric == "cosine":
-        inorm = torch.sqrt(isq).clamp_(min=1e-300 if index.dtype == np.float64 else 1e-30)
-        It = It / inorm[:, None]
+        return np.empty((m, kk), dtype=np.float64), np.empty((m, kk), dtype=np.int64)
+    if not _use_jit(index, index_sq, queries):
+        return _knn_block_torch(index, index_sq, queries, kk, offset, metric)
+    It = torch.from_numpy(index)
+    Q = np.ascontiguousarray(queries, dtype=index.dtype)
+    Qt = torch.from_numpy(Q)
+    isq = torch.from_numpy(np.ascontiguousarray(index_sq, dtype=index.dtype))
+    cosine = metric == "cosine"
+    if cosine:
+        tiny = 1e-300 if index.dtype == np.float64 else 1e-30
+        It = It / torch.sqrt(isq).clamp_(min=tiny)[:, None]
         Qt = Qt / torch.linalg.vector_norm(Qt, dim=1).clamp_(min=1e-30)[:, None]
-    ItT = It.T.contiguous()
-    step = max(64, chunk_rows(index.shape[0], 0, index.itemsize) // 4)
+    qb, cb = min(KNN_QUERY_ROWS, m), min(KNN_INDEX_ROWS, n)
+    flat = _WORK.get(("knn", qb, cb, index.dtype.str), lambda: torch.empty(qb * cb, dtype=It.dtype))
+    best_d = np.empty((m, kk), dtype=index.dtype)
+    best_i = np.empty((m, kk), dtype=np.int64)
+    insert = _JIT["topk"]
+    for q0 in range(0, m, qb):
+        qs = Qt[q0 : q0 + qb]
+        bd, bi = best_d[q0 : q0 + qb], best_i[q0 : q0 + qb]
+        bd.fill(np.inf)
+        bi.fill(0)
+        for c0 in range(0, n, cb):
+            chunk = It[c0 : c0 + cb]
+            block = flat[: qs.shape[0] * chunk.shape[0]].view(qs.shape[0], chunk.shape[0])
+            if cosine:
+                torch.mm(qs, chunk.T, out=block).neg_()
+            else:  # ||x||^2 - 2 q.x: the query's own norm does not change its order
+                torch.addmm(isq[c0 : c0 + cb], qs, chunk.T, alpha=-2.0, out=block)
+            insert(block.numpy(), c0, bd, bi)
+    if cosine:
+        dist = 1.0 + best_d.astype(np.float64)
+    else:
+        diff = Q[:, None, :].astype(np.float64) - index[best_i].astype(np.float64)
+        dist = np.einsum("ijk,ijk->ij", diff, diff)
+        order = np.lexsort((best_i, dist), axis=1)
+        rows = np.arange(m)[:, None]
+        dist, best_i = dist[rows, order], best_i[rows, order]
+    return dist, best_i + offset
+
+
+def _knn_block_torch(
+    index: Any, index_sq: Any, queries: Any, kk: int, offset: int, metric: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The torch path (CPU tensors, or CUDA tensors for CuPy input): a product per query block, then topk."""
+    It = _t(index)
+    Qt = _t(queries).to(dtype=It.dtype)
+    isq = _t(index_sq).to(dtype=It.dtype)
+    m = Qt.shape[0]
+    if metric == "cosine":
+        tiny = 1e-300 if It.dtype == torch.float64 else 1e-30
+        It = It / torch.sqrt(isq).clamp_(min=tiny)[:, None]
+        Qt = Qt / torch.linalg.vector_norm(Qt, dim=1).clamp_(min=1e-30)[:, None]
+    dist_out = torch.empty((m, kk), dtype=torch.float64, device=It.device)
+    idx_out = torch.empty((m, kk), dtype=torch.int64, device=It.device)
+    step = max(64, chunk_rows(It.shape[0], 0, It.element_size()) // 4)
     for s in range(0, m, step):
         q = Qt[s : s + step]
         if metric == "cosine":
-            dist = torch.mm(q, ItT).neg_().add_(1.0)
+            dist = torch.mm(q, It.T).neg_().add_(1.0)
         else:
-            dist = torch.addmm(isq, q, ItT, alpha=-2.0)
+            dist = torch.addmm(isq, q, It.T, alpha=-2.0)
             dist += (q * q).sum(1, keepdim=True)
             dist.clamp_(min=0)
         vals, pos = torch.topk(dist, kk, dim=1, largest=False, sorted=True)
-        dist_out[s : s + step] = _np(vals)
-        idx_out[s : s + step] = _np(pos) + offset
-    return dist_out, idx_out
+        dist_out[s : s + step] = vals
+        idx_out[s : s + step] = pos + offset
+    return _np(dist_out), _np(idx_out)
 
 
 def merge_topk(

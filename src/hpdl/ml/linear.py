@@ -87,6 +87,8 @@ class _LinearBase(DistributedMixin, MultiOutputMixin, RegressorMixin, BaseEstima
                 y = y.reshape(-1, 1)
             return self._shards(X, [y, sample_weight]), one_d
 
+        shape: list[bool] = []  # y's dimensionality, read after validation (an array-like may refuse np.ndim)
+
         def check(Xv: np.ndarray, extra: list) -> list:
             yv, sw = extra
             if yv is None:
@@ -95,10 +97,11 @@ class _LinearBase(DistributedMixin, MultiOutputMixin, RegressorMixin, BaseEstima
             check_consistent_length(Xv, yv)
             if sw is not None:
                 sw = check_weights(sw, Xv, np.float64)
+            shape.append(yv.ndim == 1)
             return [yv[:, None] if yv.ndim == 1 else yv, sw]
 
-        one_d = np.ndim(y) == 1
         shards = self._shards(X, [y, sample_weight], check=check)
+        one_d = shape[0] if shape else True
         return shards, one_d
 
     def fit(self, X: Any, y: Any, sample_weight: Any = None) -> Any:
@@ -125,6 +128,8 @@ class _LinearBase(DistributedMixin, MultiOutputMixin, RegressorMixin, BaseEstima
             G, b = shards.reduce(_gram, x_mean, y_mean)
             coef = self._solve_normal(G, b, alpha)
         intercept = y_mean - x_mean @ coef.T if self.fit_intercept else np.zeros(n_targets)
+        if isinstance(self, Ridge):
+            self.n_iter_ = np.ones(n_targets, dtype=np.int32)  # one direct solve per target
         self.coef_ = coef[0] if one_d else coef
         self.intercept_ = float(intercept[0]) if one_d else intercept
         return self

@@ -26,6 +26,7 @@ from sklearn.utils.validation import _check_sample_weight, check_array, check_co
 from hpdl.ml import kernels
 from hpdl.ml.base import Shards, agree_on_layout, is_dask_array, validate_block
 from hpdl.ml.estimator import DistributedMixin
+from hpdl.ml.targets import global_classes
 
 __all__ = ["NearestNeighbors", "KNeighborsClassifier", "KNeighborsRegressor"]
 
@@ -275,21 +276,9 @@ class KNeighborsClassifier(ClassifierMixin, _NeighborsBase):
             encoded = y.map_blocks(_encode, self.classes_, dtype=np.int64)
             self._fit_index(X, [encoded])
             return self
-        local_classes = self._local_classes(y)
-        self.classes_ = local_classes
+        self.classes_ = global_classes(y, self.comm)  # "Unknown label type" for a continuous y, on every rank
         self._fit_index(X, [y], check=_target_check(lambda yv: _encode(yv, self.classes_)))
         return self
-
-    def _local_classes(self, y: Any) -> np.ndarray:
-        try:
-            mine = np.unique(np.asarray(y).ravel()) if y is not None else np.zeros(0)
-        except TypeError:
-            mine = np.zeros(0)
-        if self.comm is None or self.comm.size == 1:
-            return mine
-        every = self.comm.allgather_object(mine)
-        non_empty = [c for c in every if len(c)]
-        return np.unique(np.concatenate(non_empty)) if non_empty else mine
 
     def predict_proba(self, X: Any) -> np.ndarray:
         """Share of the (weighted) vote of each class, for each query row."""
@@ -351,13 +340,18 @@ class KNeighborsRegressor(MultiOutputMixin, RegressorMixin, _NeighborsBase):
 
     def fit(self, X: Any, y: Any) -> KNeighborsRegressor:
         """Index X with its targets y (1-D or 2-D)."""
-        self._one_d = np.ndim(y) == 1
         if is_dask_array(X):
             if y is None:
                 raise ValueError("requires y to be passed, but the target y is None")
+            self._one_d = y.ndim == 1
             self._fit_index(X, [y.astype(np.float64)])
             return self
-        self._fit_index(X, [y], check=_target_check(lambda yv: np.asarray(yv, dtype=np.float64)))
+
+        def encode(yv: np.ndarray) -> np.ndarray:  # y's shape is read after validation (not with np.ndim)
+            self._one_d = yv.ndim == 1
+            return np.asarray(yv, dtype=np.float64)
+
+        self._fit_index(X, [y], check=_target_check(encode))
         return self
 
     def predict(self, X: Any) -> np.ndarray:

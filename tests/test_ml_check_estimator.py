@@ -1,0 +1,59 @@
+"""scikit-learn's own `check_estimator` suite on every hpdl.ml estimator (one process, its small data).
+
+An estimator must pass every check its scikit-learn twin passes: the only
+expected failures are the ones scikit-learn itself lists for the twin
+(`PER_ESTIMATOR_XFAIL_CHECKS`, e.g. KMeans' sample-weight equivalence, which
+is a statistical property, not an identity).
+"""
+
+from __future__ import annotations
+
+import sklearn.cluster
+import sklearn.decomposition
+import sklearn.linear_model
+import sklearn.neighbors
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+import hpdl.ml as ml
+
+try:  # scikit-learn's table of the checks its own estimators are known to fail
+    from sklearn.utils._test_common.instance_generator import PER_ESTIMATOR_XFAIL_CHECKS
+except ImportError:  # pragma: no cover - another scikit-learn layout
+    PER_ESTIMATOR_XFAIL_CHECKS = {}
+
+TWINS = {
+    ml.KMeans: sklearn.cluster.KMeans,
+    ml.LinearRegression: sklearn.linear_model.LinearRegression,
+    ml.Ridge: sklearn.linear_model.Ridge,
+    ml.LogisticRegression: sklearn.linear_model.LogisticRegression,
+    ml.NearestNeighbors: sklearn.neighbors.NearestNeighbors,
+    ml.KNeighborsClassifier: sklearn.neighbors.KNeighborsClassifier,
+    ml.KNeighborsRegressor: sklearn.neighbors.KNeighborsRegressor,
+    ml.PCA: sklearn.decomposition.PCA,
+    ml.TruncatedSVD: sklearn.decomposition.TruncatedSVD,
+}
+
+ESTIMATORS = [
+    ml.KMeans(n_clusters=2, n_init=2, max_iter=5),
+    ml.LinearRegression(),
+    ml.Ridge(),
+    ml.LogisticRegression(max_iter=200),
+    ml.NearestNeighbors(),
+    ml.KNeighborsClassifier(n_neighbors=2),
+    ml.KNeighborsRegressor(n_neighbors=2),
+    ml.PCA(),
+    ml.TruncatedSVD(n_components=1),
+]
+
+
+def twin_failures(estimator) -> dict:
+    return dict(PER_ESTIMATOR_XFAIL_CHECKS.get(TWINS[type(estimator)], {}))
+
+
+def test_every_estimator_is_checked():
+    assert {type(e) for e in ESTIMATORS} == set(TWINS) and set(TWINS) == {getattr(ml, n) for n in ml.__all__[:-1]}
+
+
+@parametrize_with_checks(ESTIMATORS, expected_failed_checks=twin_failures)
+def test_sklearn_compatible(estimator, check):
+    check(estimator)
