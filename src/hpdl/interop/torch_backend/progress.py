@@ -45,8 +45,9 @@ __all__ = ["Progress", "progress", "Started"]
 Started = tuple[list, Optional[Callable[[], Any]]]
 """What starting an operation gives: hpdl handles in flight, and the step that turns them into the result."""
 
-SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_SPIN_US", "1000000")) * 1e-6
-"""The progress thread tests without pausing for this long after an operation starts (latency)..."""
+SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_SPIN_US", "100")) * 1e-6
+"""The progress thread tests without pausing for this long after an operation starts (latency); longer
+spins take the core from the backward pass that DDP overlaps with communication (one core per rank)..."""
 POLL_SECONDS = float(os.environ.get("HPDL_TORCH_POLL_US", "50")) * 1e-6
 """...and then pauses this long between tests, so that it leaves the core to the computation it overlaps."""
 TICK_SECONDS = 1e-3
