@@ -171,25 +171,39 @@ class VolumeCounter:
         self.bytes: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.enabled = False
+        self.inside = False
 
     def install(self) -> None:
+        import hpdl.comm.mpi_backend  # noqa: F401  (the backends' own fast paths override the base's ops)
+        import hpdl.comm.torch_backend  # noqa: F401
         from hpdl.comm.base import Communicator
 
-        for op in COUNTED:
-            original = getattr(Communicator, op)
-            setattr(Communicator, op, self._wrap(op, original))
+        classes, pending = [], [Communicator]
+        while pending:
+            cls = pending.pop()
+            classes.append(cls)
+            pending += cls.__subclasses__()
+        for cls in classes:
+            for op in COUNTED:
+                if op in vars(cls):
+                    setattr(cls, op, self._wrap(op, vars(cls)[op]))
 
     def _wrap(self, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
         counter = self
 
         @functools.wraps(original)
         def counted(comm: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
-            if counter.enabled and comm.size > 1:
+            outermost = not counter.inside  # a backend's op that hands over to the base's counts once
+            if outermost and counter.enabled and comm.size > 1:
                 axis = counter.labels.get(id(comm), "pp")
                 items = data if op == "allreduce_coalesced" else [data]
                 counter.bytes[axis] += sum(_nbytes(t) for t in items)
                 counter.calls[axis] += 1
-            return original(comm, data, *args, **kwargs)
+            counter.inside = True
+            try:
+                return original(comm, data, *args, **kwargs)
+            finally:
+                counter.inside = not outermost
 
         return counted
 
