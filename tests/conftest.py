@@ -36,6 +36,9 @@ class SelfPool:
                 raise
             return [RankError(0, type(exc).__name__, str(exc), "")]
 
+    def request_exit(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -54,5 +57,7 @@ def ranks() -> Iterator[Callable[..., Any]]:
         return pool
 
     yield get
+    for pool in pools.values():
+        pool.request_exit()  # every pool finalizes at once, instead of one after the other
     for pool in pools.values():
         pool.close()

@@ -75,6 +75,7 @@ class RankPool:
             store.close()
         self._conns: list[Optional[Connection]] = [None] * nprocs
         self.alive = True
+        self._exit_requested = False
         # Listener.accept cannot time out: accept in a thread and bound the wait here.
         acceptor = threading.Thread(target=self._accept_all, daemon=True)
         acceptor.start()
@@ -135,14 +136,20 @@ class RankPool:
         with open(self._log_path) as handle:
             return handle.read()[-30000:]
 
-    def close(self) -> None:
-        if self.alive:
+    def request_exit(self) -> None:
+        """Ask every rank to leave (finalize and exit) without waiting: pools then end side by side."""
+        if self.alive and not self._exit_requested:
+            self._exit_requested = True
             for conn in self._conns:
                 try:
                     if conn is not None:
                         conn.send_bytes(pickle.dumps(("exit", None, None)))
                 except OSError:
                     pass
+
+    def close(self) -> None:
+        if self.alive:
+            self.request_exit()
             for proc in self._procs:
                 try:
                     proc.wait(timeout=30)
