@@ -13,7 +13,10 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["Launch", "detect", "free_port", "is_loopback", "loopback_interface"]
+__all__ = ["STORE_FD", "Launch", "detect", "is_loopback", "loopback_interface"]
+
+STORE_FD = "HPDL_STORE_FD"
+"""Set for rank 0 of a torch job whose launcher (or rank 0 itself) bound the rendezvous store's socket: its fd."""
 
 BACKENDS = ("mpi", "torch", "self")
 
@@ -118,13 +121,6 @@ def _mpi_launch(env: Mapping[str, str]) -> Optional[Launch]:
             None,
         )
     return None
-
-
-def free_port() -> int:
-    """A TCP port that is free now (for a rendezvous store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
 
 
 def is_loopback(host: str) -> bool:

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import IO, Any, Optional, Sequence
 
-from hpdl.runtime.environment import loopback_interface
+from hpdl.runtime.environment import STORE_FD, loopback_interface
 
 __all__ = [
     "LOOPBACK_SETTINGS",
@@ -56,8 +56,6 @@ LOOPBACK_SETTINGS = (
     "GLOO_SOCKET_IFNAME",  # torch.distributed's gloo
 )
 """Each names the interface its transport may listen on; a local job sets them all to loopback."""
-STORE_FD = "HPDL_STORE_FD"
-"""Set for rank 0 of a local torch job: the socket its rendezvous store serves on (bound by the launcher)."""
 _RANK_LABEL = re.compile(r"^(\d+)>")
 
 
