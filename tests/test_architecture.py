@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import subprocess
+import sys
 import types
 from dataclasses import dataclass
 from typing import Optional
@@ -282,3 +284,24 @@ def test_importing_every_parallel_module_rebinds_nothing() -> None:
     assert all(
         isinstance(importlib.import_module(p).__all__, list) for p in _packages() if p.startswith("hpdl.parallel")
     )
+
+
+LIGHT_IMPORT = """
+import sys
+import hpdl, hpdl.cli.main, hpdl.cli.launch, hpdl.dask
+assert "torch" not in sys.modules, "import hpdl (or the launcher) imported torch"
+import torch.distributed as dist
+assert "hpdl" in dist.Backend.backend_list, "importing torch after hpdl did not register the backend"
+assert "torch._dynamo" not in sys.modules
+print(hpdl.init.__module__, hpdl.Communicator.__name__, hpdl.runtime.init is hpdl.init)
+"""
+
+
+def test_import_hpdl_needs_no_torch_and_registers_the_backend_once_torch_loads() -> None:
+    """The launcher and `hpdl dask` start in a fraction of torch's import; torch programs still find "hpdl"."""
+    done = subprocess.run([sys.executable, "-c", LIGHT_IMPORT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["hpdl.runtime.world", "Communicator", "True"]
+    torch_first = "import torch.distributed as dist, hpdl; assert 'hpdl' in dist.Backend.backend_list"
+    done = subprocess.run([sys.executable, "-c", torch_first], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

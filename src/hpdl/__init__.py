@@ -7,10 +7,8 @@ hpdl.finalize()
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpdl.comm.base import Communicator
-from hpdl.comm.work import Work
 from hpdl.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -19,7 +17,12 @@ from hpdl.errors import (
     HpdlError,
     NotInitializedError,
 )
-from hpdl.runtime.world import finalize, init, is_initialized, world
+from hpdl.interop.registration import register_when_torch_loads
+
+if TYPE_CHECKING:
+    from hpdl.comm.base import Communicator
+    from hpdl.comm.work import Work
+    from hpdl.runtime.world import finalize, init, is_initialized, world
 
 __version__ = "0.1.0"
 
@@ -39,20 +42,27 @@ __all__ = [
     "__version__",
 ]
 
+_LAZY = {
+    "init": "hpdl.runtime.world",
+    "finalize": "hpdl.runtime.world",
+    "world": "hpdl.runtime.world",
+    "is_initialized": "hpdl.runtime.world",
+    "Communicator": "hpdl.comm.base",
+    "Work": "hpdl.comm.work",
+}
+"""Names imported on first use: they import torch, and `import hpdl` stays light (the launcher needs no torch)."""
 
-def _register_torch_backend() -> None:
-    from hpdl.interop.registration import register
+_SUBPACKAGES = ("checkpoint", "comm", "runtime", "interop", "parallel", "ml", "train", "plan")
+"""Imported on first attribute access (`hpdl.checkpoint.save`)."""
 
-    register()
-
-
-_register_torch_backend()
-
-_SUBPACKAGES = ("checkpoint", "parallel", "ml", "train", "plan")
-"""Imported on first attribute access (`hpdl.checkpoint.save`), so `import hpdl` stays light."""
+register_when_torch_loads()
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     if name in _SUBPACKAGES:
         return importlib.import_module(f"hpdl.{name}")
     raise AttributeError(f"module 'hpdl' has no attribute {name!r}")

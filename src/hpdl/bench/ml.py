@@ -352,7 +352,8 @@ def _measure(task: str, options: Options) -> list[dict[str, Any]]:
 
     def on_dask(lib: str) -> tuple[float, dict]:
         # A cluster of its own per run: idle Dask workers cost ~7% of a core each, which would slow the others.
-        with _cluster():
+        # --quick times nothing worth quoting: its one cluster, made in _run, serves every run.
+        with contextlib.nullcontext() if options.quick else _cluster():
             dX = _dask_rows(task, o)
             dy = _dask_rows(task, o, "y") if task in SUPERVISED else None
             return _fit_task(task, o, dX, dy, lib)
@@ -424,8 +425,10 @@ def _cluster() -> Iterator[Any]:
 def _run(options: Options) -> list[dict[str, Any]]:
     os.environ["OMP_NUM_THREADS"] = "1"  # the Dask worker processes inherit it: 1 thread each
     records: list[dict[str, Any]] = []
-    for task in options.tasks:
-        records += _measure(task, options)
+    on_dask = any(name in ("hpdl-dask", "dask-ml") for name in options.contenders)
+    with _cluster() if options.quick and on_dask else contextlib.nullcontext():
+        for task in options.tasks:
+            records += _measure(task, options)
     return records
 
 

@@ -16,6 +16,7 @@ import atexit
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any, Callable, Optional, TypeVar
@@ -54,6 +55,7 @@ class ClusterOptions:
         self.local_directory = local_directory
         self.dashboard = dashboard
         self.timeout = timeout
+        self.tcp_host: Optional[str] = None  # set when the ranks start (see _agree_on_hosts)
         self.worker_options = dict(worker_options or {})
 
 
@@ -79,8 +81,11 @@ def _check_size(size: int, needs_client: bool) -> None:
         raise ValueError(f"a Dask cluster on MPI needs {least}+ ranks ({roles}); got {size}: use mpiexec -n {least}")
 
 
-def _start_hub(options: ClusterOptions) -> None:
+def _agree_on_hosts(options: ClusterOptions) -> None:
+    """Every rank, before its Dask role: the mpi:// hub learns the ranks' hosts, tcp:// its listeners' host."""
     if options.protocol != "mpi":
+        hosts = _world().allgather(socket.gethostname())
+        options.tcp_host = _tcp_host(hosts)
         return
     from hpdl.dask.connection import get_hub
 
@@ -88,16 +93,26 @@ def _start_hub(options: ClusterOptions) -> None:
     hub.set_hosts(_collective(options, lambda: _world().allgather(hub.hostname)))
 
 
+def _tcp_host(hosts: list[str]) -> Optional[str]:
+    """HPDL_BIND_ADDR, else loopback when every rank is on this machine (no one off it has a reason to
+    connect), else Dask's choice (this host's address)."""
+    return os.environ.get("HPDL_BIND_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else None)
+
+
 async def _scheduler(options: ClusterOptions, scheduler_file: Optional[str]) -> None:
     from distributed import Scheduler
 
     world = _world()
     protocols = [options.protocol] + (["tcp"] if scheduler_file and options.protocol != "tcp" else [])
+    # a scheduler file is for clients outside the job, maybe on another machine: its tcp:// listener is not loopback
+    tcp_host = os.environ.get("HPDL_BIND_ADDR") if scheduler_file else options.tcp_host
+    hosts = [tcp_host if protocol == "tcp" else None for protocol in protocols]
     # the HTTP server runs even without the dashboard: on a free port, never a fixed one that may be taken
     kwargs: dict[str, Any] = {
         "dashboard": options.dashboard,
         "dashboard_address": ":8787" if options.dashboard else ":0",
         "protocol": protocols if len(protocols) > 1 else protocols[0],  # a list: one listener per protocol
+        "host": hosts if len(hosts) > 1 else hosts[0],
     }
     async with Scheduler(**kwargs) as scheduler:
         addresses = [listener.contact_address for listener in scheduler.listeners]
@@ -132,6 +147,8 @@ async def _worker(options: ClusterOptions, address: str, rank: int) -> None:
         "dashboard": options.dashboard,
         "death_timeout": options.timeout,
     }
+    if options.protocol == "tcp" and options.tcp_host:
+        kwargs["host"] = options.tcp_host
     if options.local_directory:
         kwargs["local_directory"] = options.local_directory
     kwargs.update(options.worker_options)
@@ -165,7 +182,7 @@ def run_cluster(
     world = _world()
     rank, size = world.Get_rank(), world.Get_size()
     _check_size(size, main is not None)
-    _start_hub(options)
+    _agree_on_hosts(options)
     try:
         if rank == SCHEDULER:
             asyncio.run(_scheduler(options, scheduler_file))
@@ -255,13 +272,14 @@ def initialize(
     world = _world()
     rank = world.Get_rank()
     _check_size(world.Get_size(), True)
-    _start_hub(options)
+    _agree_on_hosts(options)
     if rank == CLIENT:
         import dask
 
         address = _scheduler_address(options)
         dask.config.set(scheduler_address=address)
         atexit.register(_shutdown_at_exit, address)
+        _abort_on_uncaught_exception(address)
         return True
     if rank == SCHEDULER:
         asyncio.run(_scheduler(options, None))
@@ -270,6 +288,20 @@ def initialize(
     if exit:
         sys.exit(0)
     return False
+
+
+def _abort_on_uncaught_exception(address: str) -> None:
+    """The client's script fails: print why, shut the cluster down, then MPI_Abort(1), so that mpiexec reports the
+    failure (Hydra's mpiexec sometimes loses a rank's exit status and exits 0: pmodels/mpich#7057, seen here)."""
+    previous = sys.excepthook
+
+    def abort_job(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        _shutdown_at_exit(address)
+        _world().Abort(1)
+
+    sys.excepthook = abort_job
 
 
 def _shutdown_at_exit(address: str) -> None:

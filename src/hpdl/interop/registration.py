@@ -1,6 +1,10 @@
 """Register the "hpdl" backend with torch.distributed, cheaply (this runs on every `import hpdl`).
 
-Two things happen here, and nothing heavy is imported:
+`import hpdl` does not import torch (the launcher and `hpdl info` stay
+light): it registers at once when torch is loaded, else right after
+`import torch` finishes, which every program that reaches
+`init_process_group` has done. Two things happen then, and nothing heavy is
+imported:
 - `Backend.register_backend("hpdl", ...)` with the extended API, so that
   `init_process_group("hpdl")` and `new_group(backend="hpdl")` reach
   `create_process_group` (imported on first use);
@@ -15,7 +19,9 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator
 
-__all__ = ["BACKEND_NAME", "register"]
+from hpdl.interop.import_hooks import when_imported
+
+__all__ = ["BACKEND_NAME", "register", "register_when_torch_loads"]
 
 BACKEND_NAME = "hpdl"
 _registered = False
@@ -40,6 +46,11 @@ def register() -> None:
     if original is not None and not getattr(original, "_hpdl", False):
         rendezvous_module._rendezvous_handlers["env"] = _env_or_mpi(original)
     _registered = True
+
+
+def register_when_torch_loads() -> None:
+    """Register now if torch is loaded, else once `import torch` has finished (torch itself is not imported here)."""
+    when_imported("torch", register)
 
 
 def _create(backend_options: Any, pg_options: Any) -> Any:

@@ -12,13 +12,13 @@ returns an `HpdlWork` (see progress.py for who completes it).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from hpdl.comm.base import Communicator
+from hpdl.interop.import_hooks import when_imported
 from hpdl.interop.torch_backend import ops
 from hpdl.interop.torch_backend.progress import Started, progress
 from hpdl.interop.torch_backend.work import HpdlWork
@@ -162,9 +162,12 @@ class HpdlProcessGroup(dist.ProcessGroup):
 
 
 def _guard_from_compile() -> None:
-    """Keep torch.compile (dynamo) out of the backend's methods when dynamo is loaded; it is too heavy to load here."""
-    if "torch._dynamo" not in sys.modules:
-        return
+    """Keep torch.compile (dynamo) out of the backend's methods, once dynamo is loaded (too heavy to load here):
+    a group made before `torch.compile(ddp)` is first called is guarded too."""
+    when_imported("torch._dynamo", _disable_dynamo_in_methods)
+
+
+def _disable_dynamo_in_methods() -> None:
     for name, value in list(vars(HpdlProcessGroup).items()):
         if callable(value) and not name.startswith("__") and not getattr(value, "_torchdynamo_disable", False):
             setattr(HpdlProcessGroup, name, torch.compiler.disable(value))
