@@ -107,10 +107,10 @@ async def _scheduler(options: ClusterOptions, scheduler_file: Optional[str]) -> 
     # a scheduler file is for clients outside the job, maybe on another machine: its tcp:// listener is not loopback
     tcp_host = os.environ.get("HPDL_BIND_ADDR") if scheduler_file else options.tcp_host
     hosts = [tcp_host if protocol == "tcp" else None for protocol in protocols]
-    # the HTTP server runs even without the dashboard: on a free port, never a fixed one that may be taken
+    # the HTTP server runs even without the dashboard: then on a free loopback port (no one needs to reach it)
     kwargs: dict[str, Any] = {
         "dashboard": options.dashboard,
-        "dashboard_address": ":8787" if options.dashboard else ":0",
+        "dashboard_address": ":8787" if options.dashboard else "127.0.0.1:0",
         "protocol": protocols if len(protocols) > 1 else protocols[0],  # a list: one listener per protocol
         "host": hosts if len(hosts) > 1 else hosts[0],
     }
@@ -149,6 +149,8 @@ async def _worker(options: ClusterOptions, address: str, rank: int) -> None:
     }
     if options.protocol == "tcp" and options.tcp_host:
         kwargs["host"] = options.tcp_host
+    if not options.dashboard:  # its HTTP server runs anyway: on loopback
+        kwargs["dashboard_address"] = "127.0.0.1:0"
     if options.local_directory:
         kwargs["local_directory"] = options.local_directory
     kwargs.update(options.worker_options)
