@@ -25,6 +25,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
+from hpdl.errors import CommTimeoutError
+
 if TYPE_CHECKING:
     from hpdl.comm.base import Communicator
 
@@ -95,6 +97,7 @@ class Progress:
         self._cond = threading.Condition(threading.Lock())
         self._inflight: list[_Pending] = []
         self._waiters = 0
+        self._delivering = 0  # threads running futures' callbacks now (outermost deliveries)
         self._thread: Optional[threading.Thread] = None
         self._local = threading.local()
         self._last_collective: Optional[HpdlWork] = None
@@ -116,9 +119,7 @@ class Progress:
         """
         in_callback = getattr(self._local, "delivering", False)
         if not p2p and not in_callback:
-            previous = self._last_collective
-            if previous is not None:
-                self.wait(previous)
+            self._wait_for_sequence(comm.timeout)
         with self._cond:
             parts, finish = start()
             pending = _Pending(parts, finish, handle, comm, p2p)
@@ -140,6 +141,25 @@ class Progress:
             # where nobody could complete it, since this thread is the one that completes futures. Finish it here.
             self.wait(handle)
         return handle
+
+    def _wait_for_sequence(self, timeout: float) -> None:
+        """Until the last collective is done and no thread is running futures' callbacks: a callback chain
+        (PowerSGD: allreduce, then P, then Q) issues its next collective only after the one before it has
+        completed, and that collective must come before this one on every rank."""
+        deadline = time.monotonic() + timeout
+        while True:
+            previous = self._last_collective
+            if previous is not None:
+                self.wait(previous)
+            with self._cond:
+                if self._delivering == 0 and self._last_collective is previous:
+                    return
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"a torch future's callback (a DDP comm hook?) has run for over {timeout:g} s; the next "
+                    "collective waits for it so that every rank issues collectives in the same order"
+                )
+            time.sleep(POLL_SECONDS)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` (which uses a communicator) under the lock, between operations."""
@@ -191,11 +211,17 @@ class Progress:
             return
         nested = getattr(self._local, "delivering", False)
         self._local.delivering = True
+        if not nested:
+            with self._cond:
+                self._delivering += 1
         try:
             for handle, result, error in finished:
                 handle._complete(result, error)
         finally:
             self._local.delivering = nested
+            if not nested:
+                with self._cond:
+                    self._delivering -= 1
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
