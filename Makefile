@@ -26,11 +26,8 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-# Two pytest workers (whole files each, so a file's rank pools start once); TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
-
 unit: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/pytest --durations=15
 
 # mypy runs beside the suite (one core for ~20 s; its report is one line).
 test: lint
