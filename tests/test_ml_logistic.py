@@ -18,6 +18,7 @@ from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wi
 from sklearn.preprocessing import StandardScaler
 
 from hpdl.ml import LogisticRegression
+from ml_shards import bounds, first_ranks
 
 TIGHT = {"tol": 1e-10, "max_iter": 5000}
 COEF_RTOL = 1e-4
@@ -85,28 +86,14 @@ def test_logistic_bad_input_raises_sklearn_errors():
         LogisticRegression(l1_ratio=0.5).fit(X, y)
 
 
-def _bounds(n: int, size: int, empty_rank) -> list[tuple[int, int]]:
-    """Uneven shards (rank r gets a share ~ r + 1); `empty_rank` gets none."""
-    shares = np.array([0 if r == empty_rank else r + 1 for r in range(size)], dtype=float)
-    edges = np.concatenate([[0], np.round(np.cumsum(shares) / shares.sum() * n)]).astype(int)
-    return [(int(edges[r]), int(edges[r + 1])) for r in range(size)]
-
-
-def _sub(comm, nranks: int):
-    """The first `nranks` ranks of the pool (comm.split), or None on the others."""
-    if comm.size == nranks:
-        return comm
-    return comm.split(0 if comm.rank < nranks else None, comm.rank)
-
-
 def body_logistic(comm, nranks: int, empty_rank):
-    sub = _sub(comm, nranks)
+    sub = first_ranks(comm, nranks)
     if sub is None:
         return None
     out = {}
     for name, kwargs in CASES[:3]:
         X, y = _data(name)
-        lo, hi = _bounds(len(y), sub.size, empty_rank)[sub.rank]
+        lo, hi = bounds(len(y), sub.size, empty_rank)[sub.rank]
         w = np.random.default_rng(2).uniform(0.5, 2.0, len(y))
         model = LogisticRegression(**kwargs, **TIGHT, comm=sub).fit(X[lo:hi], y[lo:hi], sample_weight=w[lo:hi])
         out[name] = (model.coef_, model.intercept_, model.score(X[lo:hi], y[lo:hi]), model.predict_proba(X[lo:hi]))

@@ -17,6 +17,7 @@ from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wi
 from sklearn.preprocessing import StandardScaler
 
 from hpdl.ml import PCA, TruncatedSVD
+from ml_shards import bounds, first_ranks
 
 DATA = {"iris": load_iris, "digits": load_digits, "wine": load_wine, "breast_cancer": load_breast_cancer}
 RTOL = 1e-6
@@ -99,26 +100,14 @@ def test_truncated_svd_matches_sklearn(name):
     _same_components(ours.components_, theirs.components_, theirs.singular_values_**2)
 
 
-def _bounds(n: int, size: int, empty_rank) -> list[tuple[int, int]]:
-    shares = np.array([0 if r == empty_rank else r + 1 for r in range(size)], dtype=float)
-    edges = np.concatenate([[0], np.round(np.cumsum(shares) / shares.sum() * n)]).astype(int)
-    return [(int(edges[r]), int(edges[r + 1])) for r in range(size)]
-
-
-def _sub(comm, nranks: int):
-    if comm.size == nranks:
-        return comm
-    return comm.split(0 if comm.rank < nranks else None, comm.rank)
-
-
 def body_decomposition(comm, nranks: int, empty_rank):
-    sub = _sub(comm, nranks)
+    sub = first_ranks(comm, nranks)
     if sub is None:
         return None
     out = {}
     for name in DATA:
         X = _data(name)
-        lo, hi = _bounds(len(X), sub.size, empty_rank)[sub.rank]
+        lo, hi = bounds(len(X), sub.size, empty_rank)[sub.rank]
         for solver in ("covariance_eigh", "tsqr"):
             pca = PCA(0.9, svd_solver=solver, comm=sub).fit(X[lo:hi])
             out[name, solver] = (

@@ -16,31 +16,18 @@ import sklearn.neighbors
 from sklearn.datasets import load_diabetes, load_digits, load_iris
 
 from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors, Ridge
+from ml_shards import bounds, first_ranks
 from tie_free import jittered
 
 
-def _bounds(n: int, size: int, empty_rank: int | None) -> list[tuple[int, int]]:
-    """Uneven shards (rank r gets a share ~ r + 1); `empty_rank` gets none."""
-    shares = np.array([0 if r == empty_rank else r + 1 for r in range(size)], dtype=float)
-    edges = np.concatenate([[0], np.round(np.cumsum(shares) / shares.sum() * n)]).astype(int)
-    return [(int(edges[r]), int(edges[r + 1])) for r in range(size)]
-
-
-def _sub(comm, nranks: int):
-    """The first `nranks` ranks of the pool (comm.split), or None on the others."""
-    if comm.size == nranks:
-        return comm
-    return comm.split(0 if comm.rank < nranks else None, comm.rank)
-
-
 def body_all(comm, nranks: int, empty_rank):
-    sub = _sub(comm, nranks)
+    sub = first_ranks(comm, nranks)
     if sub is None:
         return None
     out: dict = {"size": sub.size}
     # K-Means on iris (float64) with the same initial centres and with sample weights; k-means|| default
     X = jittered(load_iris().data)  # tie-free (tie_free.py): labels compared with scikit-learn's
-    lo, hi = _bounds(len(X), sub.size, empty_rank)[sub.rank]
+    lo, hi = bounds(len(X), sub.size, empty_rank)[sub.rank]
     w = np.random.default_rng(0).uniform(0.5, 2.0, len(X))
     km = KMeans(3, init=X[[0, 50, 100]], n_init=1, comm=sub).fit(X[lo:hi], sample_weight=w[lo:hi])
     out["km"] = (km.cluster_centers_, km.inertia_, km.n_iter_, km.labels_, km.score(X[lo:hi], sample_weight=w[lo:hi]))
@@ -54,7 +41,7 @@ def body_all(comm, nranks: int, empty_rank):
     out["km_empty"] = KMeans(4, init=far, n_init=1, comm=sub).fit(X[lo:hi]).cluster_centers_
     # linear models on diabetes
     Xd, yd = load_diabetes(return_X_y=True)
-    lo, hi = _bounds(len(Xd), sub.size, empty_rank)[sub.rank]
+    lo, hi = bounds(len(Xd), sub.size, empty_rank)[sub.rank]
     wd = np.random.default_rng(1).uniform(0.5, 2.0, len(yd))
     lin = LinearRegression(comm=sub).fit(Xd[lo:hi], yd[lo:hi], sample_weight=wd[lo:hi])
     tsqr = Ridge(alpha=0.3, solver="tsqr", comm=sub).fit(Xd[lo:hi], yd[lo:hi])
@@ -62,8 +49,8 @@ def body_all(comm, nranks: int, empty_rank):
     out["ridge"] = (tsqr.coef_, tsqr.intercept_)
     # neighbours on digits: index 1500 rows, query 297 (each rank its own slice of each)
     Xg, yg = load_digits(return_X_y=True)
-    lo, hi = _bounds(1500, sub.size, empty_rank)[sub.rank]
-    qlo, qhi = _bounds(297, sub.size, None)[sub.rank]
+    lo, hi = bounds(1500, sub.size, empty_rank)[sub.rank]
+    qlo, qhi = bounds(297, sub.size, None)[sub.rank]
     Q = Xg[1500 + qlo : 1500 + qhi]
     nn = NearestNeighbors(n_neighbors=4, comm=sub).fit(Xg[lo:hi])
     out["nn"] = nn.kneighbors(Q)
