@@ -40,7 +40,17 @@ def test_successful_job_exits_zero_with_tagged_output(backend):
     code, output, _ = launch("-n", "2", "--backend", backend, "--tag-output", JOB, "ok")
     assert code == 0, output
     assert "[0] rank 0 of 2 on " + backend in output.replace("[0]rank", "[0] rank"), output
-    assert "sum 3" in output
+    for rank in (0, 1):
+        assert f"[{rank}] sum 3 in µs → ✓" in output, output
+        assert f"[{rank}] rank {rank} still heard" in output and f"[{rank}] rank {rank} stderr: ±" in output, output
+
+
+def test_untagged_output_keeps_every_character_of_every_rank():
+    code, output, _ = launch("-n", "2", JOB, "ok")
+    assert code == 0, output
+    assert output.count("sum 3 in µs → ✓") == 2, output
+    assert "rank 0 still heard" in output and "rank 1 still heard" in output, output
+    assert output.count("stderr: ±") == 2, output
 
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])

@@ -42,7 +42,9 @@ print(f"rank {comm.rank} of {comm.size} on {comm.backend} started at {time.time(
 x = torch.ones(4) * (comm.rank + 1)
 comm.allreduce(x)
 if mode == "ok":
-    print(f"sum {x[0].item():.0f}", flush=True)
+    print(f"sum {x[0].item():.0f} in µs → ✓", flush=True)  # non-ASCII: MPICH's gforker relay would drop it
+    print(f"rank {comm.rank} still heard", flush=True)
+    print(f"rank {comm.rank} stderr: ±", file=sys.stderr, flush=True)
 elif mode == "raise":
     if comm.rank == comm.size - 1:
         raise RuntimeError("boom on the last rank")

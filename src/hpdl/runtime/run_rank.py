@@ -5,18 +5,27 @@ they would wait in their next collective until it times out. `hpdl launch`
 therefore starts each rank as `python -m hpdl.runtime.run_rank script.py ...`,
 which turns a non-zero `SystemExit` into `MPI_Abort` with that code, and
 tells `finalize` not to wait at the exit barrier for ranks that will never
-come (on torch the launcher stops the others).
+come (on torch the launcher stops the others). It first takes over the
+stdout and stderr the launcher handed it (`hpdl.runtime.rank_output`).
 """
 
 from __future__ import annotations
 
+import io
 import runpy
 import sys
+
+from hpdl.runtime.rank_output import adopt
 
 __all__: list[str] = []
 
 
 def main() -> None:
+    adopt()  # before anything prints
+    # Ranks run with `python -u`, where print() writes its text and its newline in two calls: ranks that
+    # share one stdout would splice lines together. Line buffering writes each line in one call.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True, write_through=False)
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m hpdl.runtime.run_rank script.py [args] | -m module [args]")
     as_module = sys.argv[1] == "-m"

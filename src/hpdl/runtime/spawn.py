@@ -30,6 +30,7 @@ import time
 from typing import IO, Any, Optional, Sequence
 
 from hpdl.runtime.environment import STORE_FD, loopback_interface
+from hpdl.runtime.rank_output import RANK_OUTPUT_FDS, rank_outputs
 
 __all__ = [
     "LOOPBACK_SETTINGS",
@@ -222,10 +223,18 @@ def _spawn_mpi(
     if tag_output:
         argv += {"gforker": ["-l"], "hydra": ["-prepend-rank"], "openmpi": ["--tag-output"]}.get(flavour, [])
     pipe = subprocess.PIPE if tag_output and flavour == "gforker" else None
+    pumps: list[threading.Thread] = []
+    fds: tuple[int, ...] = ()
+    if flavour == "gforker":  # its relay drops a rank's output at the first non-ASCII byte
+        outputs = rank_outputs(nprocs, _tag_lines if tag_output else None)
+        env, fds, pumps = {**env, RANK_OUTPUT_FDS: outputs.value}, outputs.fds, outputs.pumps
     # Its own process group, so that stopping the job reaches every rank, not only the launcher.
-    child = subprocess.Popen(argv + command, env=env, stdout=pipe, stderr=pipe, **_process_group(0))
+    try:
+        child = subprocess.Popen(argv + command, env=env, stdout=pipe, stderr=pipe, pass_fds=fds, **_process_group(0))
+    finally:
+        for fd in fds:
+            os.close(fd)
     child.hpdl_group = True  # type: ignore[attr-defined]
-    pumps = []
     if pipe is not None:
         assert child.stdout is not None and child.stderr is not None
         for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
@@ -254,7 +263,7 @@ def _spawn_torch(
         if tag_output:
             assert child.stdout is not None and child.stderr is not None
             for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-                pump = threading.Thread(target=_prefix_lines, args=(source, sink, f"[{rank}] "), daemon=True)
+                pump = threading.Thread(target=_tag_lines, args=(source, sink, rank), daemon=True)
                 pump.start()
                 pumps.append(pump)
     store.close()  # rank 0 holds it now
@@ -283,9 +292,9 @@ def _mpiexec_flavour(mpiexec: str) -> str:
     return "unknown"
 
 
-def _prefix_lines(source: IO[bytes], sink: IO[str], prefix: str) -> None:
+def _tag_lines(source: IO[bytes], sink: IO[str], rank: int) -> None:
     for raw in iter(source.readline, b""):
-        sink.write(prefix + raw.decode(errors="replace"))
+        sink.write(f"[{rank}] " + raw.decode(errors="replace"))
         sink.flush()
     source.close()
 

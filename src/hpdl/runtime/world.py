@@ -11,9 +11,12 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 from typing import Any, Optional
 
 from hpdl.comm.base import Communicator, default_debug, default_timeout
@@ -223,6 +226,9 @@ def _install_abort_hook() -> None:
         # torch.distributed's own excepthook (installed by init_process_group, around this one) buffers
         # stderr until its hook returns, and this one never returns: write to the real stderr.
         sys.stderr = sys.__stderr__ or sys.stderr
+        if threading.current_thread() is threading.main_thread():
+            # The MPI launcher answers the abort below with SIGINT to every rank, this one included.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         comm = _current
         rank = comm.rank if comm is not None else "?"
         if (
@@ -233,6 +239,9 @@ def _install_abort_hook() -> None:
         ):
             # A peer failed first and its traceback is the one that matters.
             sys.stderr.write(f"hpdl: rank {rank} stopping: {error}\n")
+        elif isinstance(error, KeyboardInterrupt):
+            # Ctrl-C, or the MPI launcher stopping the job after another rank failed: where it was, in one line.
+            sys.stderr.write(f"hpdl: rank {rank} interrupted {_where(tb)}; stopping every rank of the job\n")
         else:
             sys.stderr.write(f"hpdl: rank {rank} failed; stopping every rank of the job\n")
             previous(kind, error, tb)  # the user's own hook, or Python's traceback
@@ -249,3 +258,14 @@ def _install_abort_hook() -> None:
 
     abort_job._hpdl = True  # type: ignore[attr-defined]
     sys.excepthook = abort_job
+
+
+def _where(tb: Any) -> str:
+    """'at script.py:12 in step': the innermost frame outside hpdl and runpy, else the innermost."""
+    frames = traceback.extract_tb(tb)
+    if not frames:
+        return "before it ran"
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = [f for f in frames if not f.filename.startswith(package) and "runpy" not in f.filename]
+    frame = (own or frames)[-1]
+    return f"at {frame.filename}:{frame.lineno} in {frame.name}"
