@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hpdl-installed
+# The suite starts some hundred Python processes: let them cache the bytecode they compile (in .venv and
+# __pycache__/), even where PYTHONDONTWRITEBYTECODE is set. pip installs without compiling every module
+# of every package up front (36 s here); the first process that imports a module compiles it once.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test lint typecheck unit bench-comm bench-train bench-ml bench-dask plan-validate gpu-check clean
 
@@ -12,8 +16,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
-	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
+	$(BIN)/python -m pip install --quiet --no-compile -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet --no-compile --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
 demo: install
@@ -26,8 +30,11 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# Two pytest workers (whole files each, so a file's rank pools start once); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 unit: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # mypy runs beside the suite (one core for ~20 s; its report is one line).
 test: lint

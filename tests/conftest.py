@@ -43,6 +43,30 @@ class SelfPool:
         pass
 
 
+# The longest files (seconds of one serial run, the 2026-12-01 CI machine) go first: under two xdist workers
+# (`make test`, whole files each) the last minute then holds short files on both, not one long file on one.
+LONGEST_FIRST = (
+    "test_examples.py",
+    "test_launcher.py",
+    "test_dask_cluster.py",
+    "test_ml_bench.py",
+    "test_torch_backend.py",
+    "test_zero_bench.py",
+    "test_failures.py",
+    "test_plan_cli.py",
+    "test_train_demo.py",
+    "test_collectives.py",
+    "test_branch.py",
+    "test_mesh_bench.py",
+    "test_shared_memory.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def ranks() -> Iterator[Callable[..., Any]]:
     pools: dict[tuple, Any] = {}
