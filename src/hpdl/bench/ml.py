@@ -377,12 +377,16 @@ def _measure(task: str, options: Options) -> list[dict[str, Any]]:
                 continue
             times[name].append(seconds)
             last[name] = fields
+    if not isinstance(last.get("sklearn"), dict):  # not a contender (or it failed): the quality reference, untimed
+        last_sklearn = sk()[1]
+    else:
+        last_sklearn = last["sklearn"]
     if task in SUPERVISED:
-        reference["coef"] = last["sklearn"]["coef"]
+        reference["coef"] = last_sklearn["coef"]
     if task == "pca":
-        reference["variance"] = last["sklearn"]["variance"]
+        reference["variance"] = last_sklearn["variance"]
     if task == "knn":
-        reference["indices"] = last["sklearn"]["indices"]
+        reference["indices"] = last_sklearn["indices"]
     records = []
     for name in options.contenders:
         rec: dict[str, Any] = {"task": task, "contender": name, "rows": n}
