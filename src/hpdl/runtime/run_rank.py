@@ -23,9 +23,10 @@ __all__: list[str] = []
 def main() -> None:
     adopt()  # before anything prints
     # Ranks run with `python -u`, where print() writes its text and its newline in two calls: ranks that
-    # share one stdout would splice lines together. Line buffering writes each line in one call.
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(line_buffering=True, write_through=False)
+    # share one terminal would splice lines together. Line buffering writes each line in one call.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m hpdl.runtime.run_rank script.py [args] | -m module [args]")
     as_module = sys.argv[1] == "-m"
