@@ -144,12 +144,15 @@ class Pipeline:
                 )
             balancing.check_stages(len(layers), comm.size)
             costs = balancing.measure(layers, sample, seed=seed)
-            # Every rank measured; the ranks must agree on one split, so they average their numbers.
-            table = torch.tensor([[c.seconds, float(c.memory)] for c in costs], dtype=torch.float64)
+            # Every rank measured; the ranks must agree on one split. Each layer's time is the fastest rank's
+            # (as `measure` keeps the fastest run: a rank that other work slowed would skew an average).
+            seconds = torch.tensor([c.seconds for c in costs], dtype=torch.float64)
+            memory = torch.tensor([float(c.memory) for c in costs], dtype=torch.float64)
             for group in (comm, dp):
                 if group is not None and group.size > 1:
-                    group.allreduce(table, "avg")
-            return balancing.partition(table[:, 0].tolist(), comm.size, memory=table[:, 1].tolist())
+                    group.allreduce(seconds, "min")
+                    group.allreduce(memory, "max")
+            return balancing.partition(seconds.tolist(), comm.size, memory=memory.tolist())
         return balancing.check_balance(balance, len(layers), comm.size)
 
     # ------------------------------------------------------------------ life cycle
