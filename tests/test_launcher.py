@@ -159,3 +159,34 @@ def test_local_job_listens_on_loopback_only(backend):
     if backend == "torch":
         assert seen, output  # the rendezvous store (rank 0) and gloo's pairs do listen: where is the question
     assert all(address.startswith("127.") or address == "::1" for address in seen), output
+
+
+def test_a_dead_jobs_shared_memory_is_removed_by_the_launcher_that_reuses_its_pid(tmp_path):
+    """MPICH names a gforker job's segment after the launcher's pid; `remove_forker_segments` must remove that name.
+
+    A killed job leaves its segment in /dev/shm, and a later job whose gforker got the same pid opened it at
+    MPI_Init (seen: "Message from rank 1 and tag 7 truncated"); hpdl's launcher removes it before and after.
+    """
+    from hpdl.runtime.spawn import local_mpiexec, remove_forker_segments
+
+    mpiexec, flavour = local_mpiexec()
+    if flavour != "gforker":
+        pytest.skip(f"the launcher here is {flavour}, not the mpich wheel's mpiexec.gforker")
+    script = tmp_path / "segments.py"
+    script.write_text(  # the shared-memory files MPICH mapped into this rank, and its launcher's pid
+        "import os\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+        "maps = {line.split()[-1] for line in open('/proc/self/maps') if '/dev/shm/mpich_' in line}\n"
+        "if MPI.COMM_WORLD.rank == 0:\n    print(os.getppid(), sorted(os.path.basename(m) for m in maps), flush=True)\n"
+    )
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    pid, names = done.stdout.splitlines()[0].split(" ", 1)
+    mapped = ast.literal_eval(names)
+    assert mapped, done.stdout  # MPICH's node segment for two ranks on one machine
+    left = tmp_path / "shm"  # as a killed job leaves them, beside another job's
+    left.mkdir()
+    for name in [*mapped, "mpich_shm_1234abcd_0"]:
+        (left / name).write_bytes(b"")
+    removed = sorted(os.path.basename(p) for p in remove_forker_segments(int(pid), root=str(left)))
+    assert removed == sorted(mapped)
+    assert os.listdir(left) == ["mpich_shm_1234abcd_0"]

@@ -18,6 +18,7 @@ made (UCX_NET_DEVICES, GLOO_SOCKET_IFNAME, ...) wins.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -137,7 +138,41 @@ def run(
         code = INTERRUPTED
     for pump in pumps:
         pump.join(timeout=GRACE_SECONDS)
+    for child in children:
+        if getattr(child, "hpdl_forker", False):
+            remove_forker_segments(child.pid)  # left behind where ranks were killed
     return code
+
+
+def remove_forker_segments(pid: int, root: str = "/dev/shm") -> list[str]:
+    """Unlink the shared-memory files MPICH names after the `mpiexec.gforker` whose pid this is; return them.
+
+    MPICH names a job's node segment `mpich_shm_<world id>_<node>` (and `mpich_vci_...`), the world id
+    being the FNV-1a hash of the PMI key-value space's name, which gforker makes `kvs_<its pid>_0`. A job
+    whose ranks were killed leaves its files behind, and a later gforker that gets the same pid (pids wrap
+    at 32768 on many machines) opened the dead job's segment at MPI_Init: its leftover messages failed
+    the init ("Message from rank 1 and tag 7 truncated") or could have been read as data. The name is
+    this job's alone while its gforker lives, so removing it before the ranks start and after they end is
+    safe beside other jobs.
+    """
+    world_id = _fnv1a(f"kvs_{pid}_0")
+    removed = []
+    for pattern in (f"mpich_shm_{world_id:x}_*", f"mpich_vci_{world_id:x}_*"):
+        for path in glob.glob(os.path.join(root, pattern)):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass  # gone already, or not ours to remove
+    return removed
+
+
+def _fnv1a(text: str) -> int:
+    """32-bit FNV-1a, as MPICH hashes the PMI kvs name into its world id."""
+    value = 2166136261
+    for byte in text.encode():
+        value = ((value ^ byte) * 16777619) & 0xFFFFFFFF
+    return value
 
 
 def supervise(children: list[subprocess.Popen], timeout: Optional[float] = None, name: str = "hpdl launch") -> int:
@@ -235,6 +270,9 @@ def _spawn_mpi(
         for fd in fds:
             os.close(fd)
     child.hpdl_group = True  # type: ignore[attr-defined]
+    if flavour == "gforker":
+        remove_forker_segments(child.pid)  # a dead job's, whose launcher had this pid
+        child.hpdl_forker = True  # type: ignore[attr-defined]
     if pipe is not None:
         assert child.stdout is not None and child.stderr is not None
         for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
