@@ -292,3 +292,15 @@ def test_search_memory_agrees_with_the_zero_implementation_formula():
             want = memory_formula(stage, params, dp, **kwargs)
             for part in ("params", "grads", "optimizer"):
                 assert e.memory[part] == pytest.approx(want[part]), (precision, stage, part)
+
+
+def test_a_profile_is_timed_when_its_layers_have_any_measured_time():
+    # On a busy machine every layer's slope over the two timed batches can come out zero; the fixed part
+    # still says the layers were timed (CI once failed `hpdl plan validate --quick` on that).
+    analytic = uniform(3)
+    assert not analytic.timed
+    flat = replace(analytic, layers=tuple(replace(ly, fwd_fixed_s=2e-5) for ly in analytic.layers))
+    assert flat.timed
+    CostModel(flat, toy_cluster(), Workload(batch=8, precision="fp32"), measured=True)
+    with pytest.raises(ValueError, match="needs a profile with timed layers"):
+        CostModel(analytic, toy_cluster(), Workload(batch=8, precision="fp32"), measured=True)

@@ -99,8 +99,11 @@ class ModelProfile:
 
     @property
     def timed(self) -> bool:
-        """Whether per-layer times were measured (`measure(..., time_batches=...)`)."""
-        return any(layer.fwd_per_sample_s > 0 for layer in self.layers)
+        """Whether per-layer times were measured (`measure(..., time_batches=...)`).
+
+        A fixed part counts too: on a busy machine every layer's slope over the two batches can come out
+        zero (the larger batch measured no slower), and the layers were timed all the same."""
+        return any(layer.fwd_per_sample_s > 0 or layer.fwd_fixed_s > 0 for layer in self.layers)
 
     def __post_init__(self) -> None:
         if not self.layers:
