@@ -40,6 +40,7 @@ __all__ = [
     "job_environment",
     "local_mpiexec",
     "rank_environment",
+    "remove_forker_segments",
     "run",
     "store_listener",
 ]
