@@ -279,22 +279,10 @@ def live_bytes() -> dict[int, int]:
 
 
 def measure_memory(name: str, model_name: str, mpi: Any, gloo: Any, plain_mpi: Any, bucket_mb: float) -> dict:
-    batches = make_batches(model_name, mpi.rank, 1)
-    gc.collect()
-    # Objects alive before (torch's own, hundreds of thousands) are frozen out of the scans each Linear's
-    # probe makes: gc.get_objects leaves them out, and none of them is this contender's model state.
-    gc.freeze()
-    try:
-        return _measure_memory(name, model_name, mpi, gloo, plain_mpi, bucket_mb, batches)
-    finally:
-        gc.unfreeze()
-
-
-def _measure_memory(
-    name: str, model_name: str, mpi: Any, gloo: Any, plain_mpi: Any, bucket_mb: float, batches: Any
-) -> dict:
     from torch import nn
 
+    batches = make_batches(model_name, mpi.rank, 1)
+    gc.collect()
     before = live_bytes()
     peak = [0]
 
@@ -330,7 +318,14 @@ def _measure_memory(
 def measure_model(model_name: str, options: Options, mpi: Any, gloo: Any, plain_mpi: Any) -> list[dict[str, Any]]:
     import torch
 
-    memory = {n: measure_memory(n, model_name, mpi, gloo, plain_mpi, options.bucket_mb) for n in options.contenders}
+    # Objects alive before the memory phase (torch's own, hundreds of thousands) are frozen out of the scans
+    # every Linear's probe makes: gc.get_objects leaves them out, and none of them is a contender's state.
+    gc.collect()
+    gc.freeze()
+    try:
+        memory = {n: measure_memory(n, model_name, mpi, gloo, plain_mpi, options.bucket_mb) for n in options.contenders}
+    finally:
+        gc.unfreeze()
     batches = make_batches(model_name, mpi.rank)
     contenders: list[Contender] = []
     errors: dict[str, str] = {n: m["error"] for n, m in memory.items() if "error" in m}
