@@ -13,6 +13,8 @@ import time
 import pytest
 
 JOB = os.path.join(os.path.dirname(__file__), "scripts", "job.py")
+TORCH_ENV_JOB = os.path.join(os.path.dirname(__file__), "scripts", "torch_env_job.py")
+"""A script that calls only torch's own `init_process_group("gloo")`, as under torchrun."""
 HPDL = [sys.executable, "-m", "hpdl.cli.main"]
 
 
@@ -148,15 +150,26 @@ def test_launch_forms_run_with_the_scripts_arguments_untouched():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the sockets from /proc")
-@pytest.mark.parametrize("backend", ["mpi", "torch"])
-def test_local_job_listens_on_loopback_only(backend):
-    """Every listener of a local job (launcher, MPI or gloo transport, rendezvous store) binds 127.0.0.1."""
-    code, output, _ = launch("-n", "2", "--backend", backend, JOB, "listeners")
+@pytest.mark.parametrize(
+    "backend, script",
+    [("mpi", JOB), ("torch", JOB), ("mpi", TORCH_ENV_JOB), ("torch", TORCH_ENV_JOB)],
+    ids=["mpi", "torch", "mpi-torch-own-init", "torch-torch-own-init"],
+)
+def test_local_job_listens_on_loopback_only(backend, script):
+    """Every listener of a local job (launcher, MPI or gloo transport, rendezvous store) binds 127.0.0.1.
+
+    Also for a script that calls torch's own `init_process_group("gloo")` (env://) instead of hpdl's: under
+    --backend torch it once failed with EADDRINUSE (the launcher holds the store's port for rank 0), and
+    under MPI its store listened on every interface.
+    """
+    code, output, _ = launch("-n", "2", "--backend", backend, script, "listeners")
     assert code == 0, output
     reports = re.findall(r"rank \d+ listens on (\[[^\]]*\])", output)  # lines of two ranks may interleave
     assert len(reports) == 2, output
     seen = {address for report in reports for address in ast.literal_eval(report)}
-    if backend == "torch":
+    if script == TORCH_ENV_JOB:
+        assert len(re.findall(r"rank \d of 2: sum 3", output)) == 2, output
+    if backend == "torch" or script == TORCH_ENV_JOB:
         assert seen, output  # the rendezvous store (rank 0) and gloo's pairs do listen: where is the question
     assert all(address.startswith("127.") or address == "::1" for address in seen), output
 

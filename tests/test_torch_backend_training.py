@@ -68,6 +68,14 @@ def test_fsdp2_equals_one_process(pool, reference):
         _close(params, reference)
 
 
+def test_hsdp_on_a_two_dimensional_mesh_equals_one_process(ranks, reference):
+    """FSDP2 over a 2 x 2 mesh (replicate x shard): DeviceMesh makes the row and column groups on "hpdl"."""
+    pool = ranks("mpi", 4, POOL_ENV)
+    for sub_groups, params in pool.run(training.hsdp, timeout=120):
+        assert sub_groups == [("hpdl", 2), ("hpdl", 2)]
+        _close(params, reference)
+
+
 def test_fsdp2_mixed_precision_equals_gloo(ranks, reference):
     pool = ranks("mpi", 2, POOL_ENV)
     mine, theirs = pool.run(training.fsdp2, "hpdl", True), pool.run(training.fsdp2, "gloo", True)

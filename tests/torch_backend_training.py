@@ -214,3 +214,21 @@ def lightning_fit(comm: Any) -> tuple:
     )
     trainer.fit(module, loader)
     return dist.get_backend(), [p.detach().tolist() for p in module.net.parameters()]
+
+
+def hsdp(comm: Any) -> list:
+    """HSDP: FSDP2 on a 2-D mesh (2 replicas x 2 shards) whose sub-groups DeviceMesh makes on the hpdl group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    groups()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = _shard(dist.group.WORLD)  # the batch is split over all four ranks
+    _train(model, model.parameters(), x, y)
+    sub_groups = [(dist.get_backend(mesh.get_group(d)), mesh.size(i)) for i, d in enumerate(mesh.mesh_dim_names)]
+    return sub_groups, [p.full_tensor().detach().tolist() for p in model.parameters()]

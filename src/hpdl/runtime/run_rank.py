@@ -12,9 +12,11 @@ stdout and stderr the launcher handed it (`hpdl.runtime.rank_output`).
 from __future__ import annotations
 
 import io
+import os
 import runpy
 import sys
 
+from hpdl.runtime.environment import STORE_FD
 from hpdl.runtime.rank_output import adopt
 
 __all__: list[str] = []
@@ -29,12 +31,18 @@ def main() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m hpdl.runtime.run_rank script.py [args] | -m module [args]")
+    if STORE_FD in os.environ:  # rank 0 of a torch job: a script may call torch's own init_process_group
+        from hpdl.runtime.store import serve_handed_store
+
+        serve_handed_store()
     as_module = sys.argv[1] == "-m"
     sys.argv = sys.argv[2:] if as_module else sys.argv[1:]
     try:
         if as_module:
             runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
         else:
+            if not sys.flags.safe_path:  # as `python script.py`: the script's folder first, not the working one
+                sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
             runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)

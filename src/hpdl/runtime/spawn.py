@@ -12,7 +12,7 @@ A local job listens on loopback only: MPI jobs of the `mpich` wheel start
 under its forking process manager (`mpiexec.gforker`: no control port,
 where Hydra's listens on every interface), the MPI and gloo transports are
 told to use the loopback interface, and the torch rendezvous store binds
-127.0.0.1 (`hpdl.runtime.world.rendezvous_store`). A setting the caller
+127.0.0.1 (`hpdl.runtime.store.rendezvous_store`). A setting the caller
 made (UCX_NET_DEVICES, GLOO_SOCKET_IFNAME, ...) wins.
 """
 

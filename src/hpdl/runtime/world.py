@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 from hpdl.comm.base import Communicator, default_debug, default_timeout
 from hpdl.errors import BackendUnavailableError, CommError, CommTimeoutError, NotInitializedError
-from hpdl.runtime.environment import BACKENDS, STORE_FD, Launch, detect, is_loopback, loopback_interface
+from hpdl.runtime.environment import BACKENDS, Launch, detect, is_loopback, loopback_interface
+from hpdl.runtime.store import listen_for_store, rendezvous_store, store_host
 
 __all__ = ["init", "finalize", "world", "is_initialized"]
 
@@ -151,57 +152,13 @@ def _torch_rendezvous(launch: Launch) -> tuple[int, int, str, int]:
     if all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"])
     if launch.launcher in ("none", "torchrun") and launch.size in (None, 1):
-        return 0, 1, "127.0.0.1", _listen_for_store("127.0.0.1", 1)
+        return 0, 1, "127.0.0.1", listen_for_store("127.0.0.1", 1)
     from hpdl.comm.mpi_backend import MPI
 
     mpi = MPI.COMM_WORLD
-    hosts = mpi.allgather(socket.gethostname())
-    host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]  # a job on one machine meets on loopback
-    port = mpi.bcast(_listen_for_store(host, mpi.Get_size()) if mpi.Get_rank() == 0 else None, root=0)
+    host = store_host(mpi.allgather(socket.gethostname()))
+    port = mpi.bcast(listen_for_store(host, mpi.Get_size()) if mpi.Get_rank() == 0 else None, root=0)
     return mpi.Get_rank(), mpi.Get_size(), host, port
-
-
-def _listen_for_store(host: str, size: int) -> int:
-    """Rank 0: listen for the store on `host` (or HPDL_BIND_ADDR) at a port the system picks; return the port.
-
-    Listening before the port is told to anyone leaves no gap in which another process could take it.
-    """
-    listener = _store_socket(host, 0, size)
-    port = int(listener.getsockname()[1])
-    os.environ[STORE_FD] = str(listener.detach())  # rendezvous_store serves on it
-    return port
-
-
-def _store_socket(host: str, port: int, size: int) -> socket.socket:
-    """A socket listening on the address `host` names (HPDL_BIND_ADDR when set) at `port` (0: the system picks),
-    with room for every rank's connection at once."""
-    bind = os.environ.get("HPDL_BIND_ADDR") or socket.gethostbyname(host)
-    try:
-        return socket.create_server((bind, port), family=socket.AF_INET, backlog=max(128, size))
-    except OSError as error:
-        raise BackendUnavailableError(
-            f"the torch rendezvous cannot listen on {bind}:{port} ({error}); set HPDL_BIND_ADDR to an address "
-            "of this machine that the other ranks reach, or MASTER_PORT to a free port"
-        ) from None
-
-
-def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> Any:
-    """The torch rendezvous store; rank 0's server listens on one address, not on every interface.
-
-    That address is HPDL_BIND_ADDR when set, else the one `addr` (MASTER_ADDR) names: 127.0.0.1 for a
-    job on one machine, the interface the hosts share for a job across machines. torch's own
-    TCPStore server would listen on all interfaces.
-    """
-    import torch.distributed as dist
-
-    if rank != 0:
-        return dist.TCPStore(addr, port, size, is_master=False, timeout=span)
-    handed = os.environ.pop(STORE_FD, "")  # bound already, by hpdl launch (spawn.store_listener) or _listen_for_store
-    # else torchrun's MASTER_PORT: listen on it now; the store's server owns the socket from here on
-    fd = int(handed) if handed else _store_socket(addr, port, size).detach()
-    return dist.TCPStore(
-        addr, port, size, is_master=True, timeout=span, wait_for_workers=False, master_listen_fd=fd, use_libuv=True
-    )
 
 
 def _close_torch(comm: Communicator) -> None:

@@ -18,9 +18,8 @@ DEFAULT_STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def mpi_rendezvous(url: str, timeout: Optional[datetime.timedelta]) -> Iterator[tuple[Any, int, int]]:
-    import torch.distributed as dist
-
     import hpdl
+    from hpdl.runtime.store import listen_for_store, rendezvous_store, store_host
 
     comm = hpdl.init("mpi")
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
@@ -31,14 +30,8 @@ def mpi_rendezvous(url: str, timeout: Optional[datetime.timedelta]) -> Iterator[
                 f"of {comm.size}); under an MPI launcher leave rank and world_size out (or pass MPI's values)"
             )
     span = timeout or DEFAULT_STORE_TIMEOUT
-    store = None
-    if comm.rank == 0:
-        store = dist.TCPStore("0.0.0.0", 0, comm.size, is_master=True, timeout=span, wait_for_workers=False)
-        address = (socket.gethostname(), store.port)
-    else:
-        address = None
-    host, port = comm.broadcast_object(address, root=0)
-    if store is None:
-        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=span)
-    yield store, comm.rank, comm.size
+    # rank 0's server listens on loopback for a job on one machine, else on the address its host name has
+    host = store_host(comm.allgather_object(socket.gethostname()))
+    port = comm.broadcast_object(listen_for_store(host, comm.size) if comm.rank == 0 else None, root=0)
+    yield rendezvous_store(comm.rank, comm.size, host, port, span), comm.rank, comm.size
     raise RuntimeError("the hpdl MPI rendezvous cannot re-rendezvous: restart the job")

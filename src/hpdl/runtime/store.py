@@ -1,0 +1,102 @@
+"""Rank 0's torch rendezvous store: where it listens (one address, never every interface) and who serves it.
+
+torch's own TCPStore server listens on all interfaces; hpdl's listens on the
+address the ranks share (127.0.0.1 for a job on one machine), on a socket
+bound before its port is told to anyone (no window in which another process
+could take the port).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from hpdl.errors import BackendUnavailableError
+from hpdl.runtime.environment import STORE_FD
+
+__all__ = ["listen_for_store", "rendezvous_store", "serve_handed_store", "store_host"]
+
+
+def store_host(hosts: list[str]) -> str:
+    """Where the ranks (one host name each) meet rank 0's store: loopback for a job on one machine."""
+    return "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+
+
+def listen_for_store(host: str, size: int) -> int:
+    """Rank 0: listen for the store on `host` (or HPDL_BIND_ADDR) at a port the system picks; return the port.
+
+    Listening before the port is told to anyone leaves no gap in which another process could take it.
+    """
+    listener = _store_socket(host, 0, size)
+    port = int(listener.getsockname()[1])
+    os.environ[STORE_FD] = str(listener.detach())  # rendezvous_store serves on it
+    return port
+
+
+def _store_socket(host: str, port: int, size: int) -> socket.socket:
+    """A socket listening on the address `host` names (HPDL_BIND_ADDR when set) at `port` (0: the system picks),
+    with room for every rank's connection at once."""
+    bind = os.environ.get("HPDL_BIND_ADDR") or socket.gethostbyname(host)
+    try:
+        return socket.create_server((bind, port), family=socket.AF_INET, backlog=max(128, size))
+    except OSError as error:
+        raise BackendUnavailableError(
+            f"the torch rendezvous cannot listen on {bind}:{port} ({error}); set HPDL_BIND_ADDR to an address "
+            "of this machine that the other ranks reach, or MASTER_PORT to a free port"
+        ) from None
+
+
+_handed_store: Any = None
+"""Rank 0 of a torch job started by hpdl launch: the store's server, on the socket the launcher bound."""
+
+
+def serve_handed_store() -> None:
+    """Rank 0 of `hpdl launch --backend torch`: serve the rendezvous store on the socket the launcher bound.
+
+    A script that calls torch's own `init_process_group` (env://) instead of hpdl's would bind MASTER_PORT
+    again and fail with EADDRINUSE, the launcher's socket holding it. As under torchrun, whose agent hosts
+    the store, every rank's env:// rendezvous connects to this server instead (TORCHELASTIC_USE_AGENT_STORE),
+    and so does hpdl's own (`rendezvous_store`). The server lives as long as rank 0's process.
+    """
+    global _handed_store
+    handed = os.environ.pop(STORE_FD, "")
+    if not handed or _handed_store is not None:
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    from hpdl.comm.base import default_timeout
+
+    env = os.environ
+    _handed_store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        int(env["WORLD_SIZE"]),
+        is_master=True,
+        timeout=datetime.timedelta(seconds=default_timeout()),
+        wait_for_workers=False,
+        master_listen_fd=int(handed),
+        use_libuv=True,
+    )
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+
+
+def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> Any:
+    """The torch rendezvous store; rank 0's server listens on one address, not on every interface.
+
+    That address is HPDL_BIND_ADDR when set, else the one `addr` (MASTER_ADDR) names: 127.0.0.1 for a
+    job on one machine, the interface the hosts share for a job across machines. torch's own
+    TCPStore server would listen on all interfaces.
+    """
+    import torch.distributed as dist
+
+    if rank != 0 or _handed_store is not None:
+        return dist.TCPStore(addr, port, size, is_master=False, timeout=span)
+    handed = os.environ.pop(STORE_FD, "")  # bound already, by hpdl launch (spawn.store_listener) or listen_for_store
+    # else torchrun's MASTER_PORT: listen on it now; the store's server owns the socket from here on
+    fd = int(handed) if handed else _store_socket(addr, port, size).detach()
+    return dist.TCPStore(
+        addr, port, size, is_master=True, timeout=span, wait_for_workers=False, master_listen_fd=fd, use_libuv=True
+    )

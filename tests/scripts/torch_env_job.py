@@ -1,0 +1,17 @@
+"""An unmodified torchrun-style script: torch's own `init_process_group("gloo")` (env://), no hpdl call at all."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from listeners import listening_addresses
+
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+x = torch.ones(4) * (rank + 1)
+dist.all_reduce(x)
+print(f"rank {rank} of {size}: sum {x[0].item():.0f}", flush=True)
+if sys.argv[1:] == ["listeners"]:
+    print(f"rank {rank} listens on {sorted(listening_addresses())}", flush=True)
+    dist.barrier()  # every rank has looked before any leaves
+dist.destroy_process_group()
