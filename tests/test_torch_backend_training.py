@@ -70,7 +70,7 @@ def test_fsdp2_equals_one_process(pool, reference):
 
 def test_hsdp_on_a_two_dimensional_mesh_equals_one_process(ranks, reference):
     """FSDP2 over a 2 x 2 mesh (replicate x shard): DeviceMesh makes the row and column groups on "hpdl"."""
-    pool = ranks("mpi", 4, POOL_ENV)
+    pool = ranks("mpi", 4)
     for sub_groups, params in pool.run(training.hsdp, timeout=120):
         assert sub_groups == [("hpdl", 2), ("hpdl", 2)]
         _close(params, reference)

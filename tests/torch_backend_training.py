@@ -216,19 +216,27 @@ def lightning_fit(comm: Any) -> tuple:
     return dist.get_backend(), [p.detach().tolist() for p in module.net.parameters()]
 
 
-def hsdp(comm: Any) -> list:
-    """HSDP: FSDP2 on a 2-D mesh (2 replicas x 2 shards) whose sub-groups DeviceMesh makes on the hpdl group."""
+def hsdp(comm: Any) -> tuple:
+    """HSDP: FSDP2 on a 2-D mesh (2 replicas x 2 shards) whose sub-groups DeviceMesh makes on the hpdl group.
+
+    Runs in the plain 4-rank pool (a pool of its own would start four more ranks for one test): the default
+    group it makes is destroyed before it returns, so the pool's later bodies see none.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    groups()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = make_model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    x, y = _shard(dist.group.WORLD)  # the batch is split over all four ranks
-    _train(model, model.parameters(), x, y)
-    sub_groups = [(dist.get_backend(mesh.get_group(d)), mesh.size(i)) for i, d in enumerate(mesh.mesh_dim_names)]
-    return sub_groups, [p.full_tensor().detach().tolist() for p in model.parameters()]
+    assert not dist.is_initialized(), "the plain pool's ranks hold no torch.distributed group"
+    dist.init_process_group("hpdl")
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = make_model()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x, y = _shard(dist.group.WORLD)  # the batch is split over all four ranks
+        _train(model, model.parameters(), x, y)
+        sub_groups = [(dist.get_backend(mesh.get_group(d)), mesh.size(i)) for i, d in enumerate(mesh.mesh_dim_names)]
+        return sub_groups, [p.full_tensor().detach().tolist() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
