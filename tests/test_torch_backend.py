@@ -55,6 +55,15 @@ def test_functional_collectives_equal_gloo(pool):
         _same(mine, theirs)
 
 
+def test_new_group_members_meet_within_the_timeout_and_again_after_it(ranks):
+    """The meeting before MPI_Comm_create_group: a missing member is a timeout naming it, and a later meeting
+    of the same ranks works (the timed-out receives were cancelled)."""
+    first, second, third = ranks("mpi", 3).run(bodies.meeting_with_a_missing_rank, 1.0, timeout=60)
+    assert "no word from rank(s) [2] within 1 s" in first[0], first
+    assert "no answer from rank(s) [0]" in second[0], second
+    assert third[0] == "came" and first[1] == second[1] == third[1] == "met"
+
+
 def test_subgroups_and_device_mesh(pool):
     results = pool.run(bodies.subgroups)
     for rank, result in enumerate(results):

@@ -249,14 +249,25 @@ def reinit(comm: Any) -> tuple:
 
 
 # -------------------------------------------------------------------- failures
-def skipped_collective(comm: Any, seconds: float) -> Optional[str]:
-    """The last rank skips an all_reduce: the others get CommTimeoutError naming it."""
+def skipped_calls(comm: Any, seconds: float) -> Optional[list]:
+    """The last rank skips a new_group, then an all_reduce: each time the others get CommTimeoutError naming it."""
+    import datetime
+
     g = groups()["hpdl"]
     g.comm.timeout = seconds
     if dist.get_rank() == dist.get_world_size() - 1:
         return None
-    dist.all_reduce(torch.ones(3), group=g)
-    return "returned"
+    caught = []
+    for call in (
+        lambda: dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=seconds)),
+        lambda: dist.all_reduce(torch.ones(3), group=g),
+    ):
+        try:
+            call()
+            caught.append(("returned", ""))
+        except Exception as error:  # noqa: BLE001 - the test reads its type and message
+            caught.append((type(error).__name__, str(error)))
+    return caught
 
 
 def mismatched_shapes(comm: Any) -> None:
@@ -266,3 +277,24 @@ def mismatched_shapes(comm: Any) -> None:
         dist.all_reduce(torch.ones(3 + dist.get_rank()), group=g)
     finally:
         g.comm.debug = False
+
+
+def meeting_with_a_missing_rank(comm: Any, seconds: float) -> tuple:
+    """The members of a new group meet (bounded) before MPI_Comm_create_group: rank 2 stays away once, then comes."""
+    from mpi4py import MPI
+
+    from hpdl.errors import CommTimeoutError
+    from hpdl.interop.torch_backend.factory import meet
+
+    meeting = MPI.COMM_WORLD.Dup()
+    first = "came"
+    if meeting.Get_rank() != 2:
+        try:
+            meet(meeting, [0, 1, 2], seconds)
+            first = "returned"
+        except CommTimeoutError as error:
+            first = str(error)
+    meeting.Barrier()  # rank 2 waits here until the others have given up
+    meet(meeting, [0, 1, 2], seconds)  # the same ranks and tag: no stale message may confuse this one
+    meeting.Free()
+    return first, "met"

@@ -9,6 +9,7 @@ this function only on the ranks inside the group.
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Any
 
@@ -25,6 +26,9 @@ HOW_TO_LAUNCH = (
 class LaunchError(RuntimeError):
     """The job was not started in a way the hpdl backend can use."""
 
+
+_meeting: Any = None
+"""A duplicate of MPI_COMM_WORLD (made with the default group) on which a new sub-group's members meet."""
 
 MIN_TORCH = (2, 13)
 """The oldest torch the backend was tested on (the pybind method names of Python process groups changed often)."""
@@ -63,8 +67,11 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
                 f"init_process_group('hpdl'): torch says rank {rank} of {size}, MPI says rank {world.rank} of "
                 f"{world.size}. Let MPI decide: leave rank/world_size out and {HOW_TO_LAUNCH}."
             )
+        global _meeting
         comm = progress.call(lambda: world.split(0, world.rank))
         comm.timeout = timeout
+        if _meeting is None:
+            _meeting = progress.call(MPI.COMM_WORLD.Dup)  # every rank is here: a collective is safe
         return HpdlProcessGroup(comm, list(range(size)))
     if len(ranks) != size or ranks[rank] != world.rank:
         raise LaunchError(
@@ -73,9 +80,54 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
         )
 
     def create() -> Any:
+        if _meeting is not None:
+            meet(_meeting, ranks, timeout)
         members = MPI.COMM_WORLD.Get_group().Incl(ranks)
         sub = MPI.COMM_WORLD.Create_group(members, tag=zlib.crc32(repr(ranks).encode()) % 32768)
         members.Free()
         return MpiCommunicator(sub, timeout=timeout, debug=world.debug)
 
     return HpdlProcessGroup(progress.call(create), ranks)
+
+
+def meet(meeting: Any, ranks: list[int], timeout: float) -> None:
+    """Every member of a new sub-group arrives, within `timeout`, before `MPI_Comm_create_group`.
+
+    That call waits for every member without a bound: a member that never calls `new_group` would hang
+    the others. Here the first member hears from every other and answers each; a member that does not
+    come is a `CommTimeoutError` naming it (on the others: naming the first member, who never answered).
+    Receives that time out are cancelled, so a later meeting of the same ranks is not confused by them.
+    """
+    from mpi4py import MPI
+
+    from hpdl.errors import CommTimeoutError
+
+    me, leader = meeting.Get_rank(), ranks[0]
+    tag = zlib.crc32(repr(ranks).encode()) % 32768
+    token = bytearray(1)
+
+    def wait(requests: dict[int, Any], what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = [r for r, request in requests.items() if not request.Test()]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                for r in missing:
+                    requests[r].Cancel()
+                raise CommTimeoutError(
+                    f"new_group(backend='hpdl') of ranks {ranks}: {what.format(missing)} within {timeout:g} s. "
+                    "Every rank must call new_group (and DeviceMesh) with the same ranks in the same order.",
+                    op="new_group",
+                    missing=tuple(missing),
+                )
+            time.sleep(0.001)
+
+    if me == leader:
+        arrivals = {r: meeting.Irecv([bytearray(1), MPI.BYTE], source=r, tag=tag) for r in ranks[1:]}
+        wait(arrivals, "no word from rank(s) {}")
+        wait({r: meeting.Isend([token, MPI.BYTE], dest=r, tag=tag) for r in ranks[1:]}, "could not answer rank(s) {}")
+    else:
+        answer = meeting.Irecv([bytearray(1), MPI.BYTE], source=leader, tag=tag)
+        wait({leader: meeting.Isend([token, MPI.BYTE], dest=leader, tag=tag)}, "could not reach rank(s) {}")
+        wait({leader: answer}, "no answer from rank(s) {} (the group's first rank, which waits for every member)")
