@@ -61,6 +61,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     assert done.returncode == 0, _explain(done)
     assert "same result" in done.stdout and "False" not in done.stdout.split("same result")[1], done.stdout
+    # a lab shows its table: not Dask's INFO log, nor the tracebacks Dask logs at INFO when a cluster closes
+    assert " - INFO - " not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
     return dict(json.loads(out.read_text()))
 
 
