@@ -8,6 +8,7 @@ could take the port).
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from typing import Any
@@ -81,6 +82,14 @@ def serve_handed_store() -> None:
         use_libuv=True,
     )
     env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    # At exit, after hpdl's own exit handlers (registered later, run first): a store server destroyed during
+    # interpreter shutdown, once torch's own objects are gone, can abort the process.
+    atexit.register(_release_handed_store)
+
+
+def _release_handed_store() -> None:
+    global _handed_store
+    _handed_store = None
 
 
 def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> Any:
