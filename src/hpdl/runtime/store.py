@@ -61,26 +61,16 @@ def serve_handed_store() -> None:
     and so does hpdl's own (`rendezvous_store`). The server lives as long as rank 0's process.
     """
     global _handed_store
-    handed = os.environ.pop(STORE_FD, "")
-    if not handed or _handed_store is not None:
+    handed = os.environ.pop(STORE_FD, "")  # taken: a second call finds none
+    if not handed:
         return
     import datetime
-
-    import torch.distributed as dist
 
     from hpdl.comm.base import default_timeout
 
     env = os.environ
-    _handed_store = dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
-        int(env["WORLD_SIZE"]),
-        is_master=True,
-        timeout=datetime.timedelta(seconds=default_timeout()),
-        wait_for_workers=False,
-        master_listen_fd=int(handed),
-        use_libuv=True,
-    )
+    span = datetime.timedelta(seconds=default_timeout())
+    _handed_store = _server(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), span, int(handed))
     env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     # At exit, after hpdl's own exit handlers (registered later, run first): a store server destroyed during
     # interpreter shutdown, once torch's own objects are gone, can abort the process.
@@ -106,6 +96,13 @@ def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> A
     handed = os.environ.pop(STORE_FD, "")  # bound already, by hpdl launch (spawn.store_listener) or listen_for_store
     # else torchrun's MASTER_PORT: listen on it now; the store's server owns the socket from here on
     fd = int(handed) if handed else _store_socket(addr, port, size).detach()
+    return _server(addr, port, size, span, fd)
+
+
+def _server(addr: str, port: int, size: int, span: Any, fd: int) -> Any:
+    """The store's server on the listening socket `fd` (it does not wait for the other ranks to connect)."""
+    import torch.distributed as dist
+
     return dist.TCPStore(
         addr, port, size, is_master=True, timeout=span, wait_for_workers=False, master_listen_fd=fd, use_libuv=True
     )

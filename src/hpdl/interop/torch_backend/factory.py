@@ -83,11 +83,16 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
         if _meeting is not None:
             meet(_meeting, ranks, timeout)
         members = MPI.COMM_WORLD.Get_group().Incl(ranks)
-        sub = MPI.COMM_WORLD.Create_group(members, tag=zlib.crc32(repr(ranks).encode()) % 32768)
+        sub = MPI.COMM_WORLD.Create_group(members, tag=group_tag(ranks))
         members.Free()
         return MpiCommunicator(sub, timeout=timeout, debug=world.debug)
 
     return HpdlProcessGroup(progress.call(create), ranks)
+
+
+def group_tag(ranks: list[int]) -> int:
+    """The MPI tag of a sub-group's creation (and of its members' meeting): the same on every member."""
+    return zlib.crc32(repr(ranks).encode()) % 32768
 
 
 def meet(meeting: Any, ranks: list[int], timeout: float) -> None:
@@ -103,7 +108,7 @@ def meet(meeting: Any, ranks: list[int], timeout: float) -> None:
     from hpdl.errors import CommTimeoutError
 
     me, leader = meeting.Get_rank(), ranks[0]
-    tag = zlib.crc32(repr(ranks).encode()) % 32768
+    tag = group_tag(ranks)
     token = bytearray(1)
 
     def wait(requests: dict[int, Any], what: str) -> None:
