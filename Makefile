@@ -36,7 +36,8 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-# Two pytest workers (whole files each, so a file's rank pools start once); TEST_WORKERS=0 runs in one process.
+# Two pytest workers (whole files each, or the groups of files in conftest.SHARED_POOLS, so that their rank
+# pools start once); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 
 unit: install

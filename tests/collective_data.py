@@ -13,6 +13,17 @@ INT_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.int64)
 ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
 SIZES = (0, 1, 7, 1000)
 LARGE = 1 << 22  # 16 MB of float32: past every eager/rendezvous threshold of the engines
+SHM_FORCED = {
+    "HPDL_SHM_MIN_ALLREDUCE": "0",
+    "HPDL_SHM_MIN_REDUCE_SCATTER": "0",
+    "HPDL_SHM_MIN_ALLGATHER": "0",
+    "HPDL_SHM_MIN_BROADCAST": "0",
+    "HPDL_SHM_MB": "0.25",  # 256 KB of staging per rank: every larger tensor goes through in pieces
+}
+"""Every collective through the shared-memory engine: one environment for test_collectives and
+test_shared_memory, which run on one pytest worker (conftest.SHARED_POOLS) and so share its rank pools."""
+HIERARCHICAL = dict(SHM_FORCED, HPDL_RANKS_PER_NODE="2")
+"""The same on 4 ranks split into 2 nodes of 2: the hierarchical allreduce."""
 
 
 def make_input(rank: int, n: int, dtype: torch.dtype, op: str = "sum") -> torch.Tensor:

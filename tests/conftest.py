@@ -43,28 +43,59 @@ class SelfPool:
         pass
 
 
-# The longest files (seconds of one serial run, the 2026-12-01 CI machine) go first: under two xdist workers
-# (`make test`, whole files each) the last minute then holds short files on both, not one long file on one.
+SHARED_POOLS = {
+    "test_collectives.py": "shared-memory",
+    "test_shared_memory.py": "shared-memory",
+    "test_torch_backend.py": "torch-backend",
+    "test_torch_backend_training.py": "torch-backend",
+}
+"""Files that start the same rank pools (the same environment) run on one pytest worker, which starts each
+pool once for both; every other file is a group of its own (see pytest_xdist_make_scheduler)."""
+
+# The longest groups (seconds under two workers, the 2026-12-01 CI machine) go first: under two xdist workers
+# the last minute then holds short files on both, not one long file on one.
 LONGEST_FIRST = (
-    "test_examples.py",
-    "test_launcher.py",
-    "test_dask_cluster.py",
+    "torch-backend",  # 180
+    "shared-memory",  # 155
+    "test_launcher.py",  # 135
+    "test_examples.py",  # 125
     "test_ml_bench.py",
-    "test_torch_backend.py",
-    "test_zero_bench.py",
-    "test_failures.py",
+    "test_dask_cluster.py",
     "test_plan_cli.py",
     "test_train_demo.py",
-    "test_collectives.py",
-    "test_branch.py",
+    "test_failures.py",
+    "test_zero.py",
     "test_mesh_bench.py",
-    "test_shared_memory.py",
+    "test_zero_bench.py",
+    "test_pipeline_bench.py",
 )
+
+
+def group(item: pytest.Item) -> str:
+    return SHARED_POOLS.get(item.path.name, item.path.name)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: `make test` runs two workers
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the files of one SHARED_POOLS group sent to one worker as one unit.
+
+    (xdist's own `--dist loadgroup` renames node ids, which pytest 9 no longer lets it do.)
+    """
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedPoolFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_POOLS.get(os.path.basename(path), path)
+
+    return SharedPoolFiles(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

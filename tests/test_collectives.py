@@ -11,13 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from collective_data import ALL_DTYPES, LARGE, SIZES, expected_reduce, make_input, ops_for
+from collective_data import ALL_DTYPES, HIERARCHICAL, LARGE, SHM_FORCED, SIZES, expected_reduce, make_input, ops_for
 
-# Every message takes the shared-memory path (thresholds at zero) ...
-SHM = {"HPDL_SHM_MIN_ALLREDUCE": "0", "HPDL_SHM_MIN_REDUCE_SCATTER": "0"}
-SHM.update({"HPDL_SHM_MIN_ALLGATHER": "0", "HPDL_SHM_MIN_BROADCAST": "0", "HPDL_SHM_MB": "0.25"})
-# ... and on 4 ranks cut into two virtual nodes of 2, the hierarchical allreduce.
-HIERARCHICAL = dict(SHM, HPDL_RANKS_PER_NODE="2")
+# Every message takes the shared-memory path (thresholds at zero), and on 4 ranks cut into two virtual
+# nodes of 2, the hierarchical allreduce.
+SHM = SHM_FORCED
 GROUPS = [
     ("self", 1, None),
     ("mpi", 2, None),

@@ -98,6 +98,34 @@ def test_skipped_collective_times_out_naming_the_missing_rank(ranks, backend, np
     assert elapsed < 30
 
 
+def rank0_finishes_early(comm, n):
+    """Rank 0 closes a communicator (as hpdl.finalize does at the end of a script) while the others call one
+    more collective on it: MPI would pair their allreduce with its exit barrier and return garbage."""
+    sub = comm.split(0, comm.rank)
+    sub.allreduce(torch.ones(n))
+    started = time.perf_counter()
+    if comm.rank == 0:
+        sub.close()
+        return time.perf_counter() - started, None
+    try:
+        got = sub.allreduce(torch.full((n,), 5.0))
+    except Exception as exc:  # noqa: BLE001 - the type and message are what the test checks
+        return time.perf_counter() - started, f"{type(exc).__name__}: {exc}"
+    return time.perf_counter() - started, f"returned {got[:3].tolist()}"
+
+
+@pytest.mark.parametrize("backend,nprocs", [("mpi", 2), ("mpi", 3)])  # gloo: a timeout naming the rank
+@pytest.mark.parametrize("n", [1, 100_000])
+def test_rank_that_finishes_early_is_an_error_on_every_rank_not_garbage(ranks, backend, nprocs, n):
+    results = ranks(backend, nprocs).run(rank0_finishes_early, n, timeout=60)
+    closing, _ = results[0]
+    assert closing < 10  # it saw that the others wait in a collective it never called (not 30 s)
+    for waited, error in results[1:]:
+        assert error is not None and error.startswith("CollectiveMismatchError"), error
+        assert "rank 0 (after 1 collectives) finished" in error and "allreduce #2" in error, error
+        assert waited < 10
+
+
 # ---------------------------------------------------------------- debug mode
 def mismatched(comm, kind):
     comm.debug = True

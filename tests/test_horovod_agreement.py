@@ -143,6 +143,40 @@ def process_set_body(comm):
     return out
 
 
+def process_set_agreement_body(comm):
+    import hpdl.horovod as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    # rank 1 still waits in a global allreduce while ranks 0 and 2 add a set: Horovod stalls; here every
+    # rank raises, and the ranks are in step again afterwards
+    if r == 1:
+        out["out_of_step"] = expect(lambda: hvd.allreduce(torch.ones(2), name="late"))
+    else:
+        out["out_of_step"] = expect(lambda: hvd.add_process_set([0, 2]))
+    out["different_ranks"] = expect(lambda: hvd.add_process_set([0, 1] if r == 0 else [0, 2]))
+    pair = hvd.add_process_set([0, 2])
+    if r in pair.ranks:
+        out["sum"] = hvd.reducescatter(torch.arange(4.0) + r, op=hvd.Sum, process_set=pair).tolist()
+    out["removed"] = hvd.remove_process_set(pair)
+    out["after"] = float(hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, name="after"))
+    return out
+
+
+def test_process_set_changes_are_agreed_like_named_operations(ranks):
+    results = ranks("mpi", 3).run(process_set_agreement_body)
+    for r, out in enumerate(results):
+        assert "cannot be matched" in out["out_of_step"], out
+        assert "add_process_set.1" in out["out_of_step"] and "allreduce.late" in out["out_of_step"]
+        assert "mismatched process set ranks" in out["different_ranks"]
+        assert "[0, 1] on rank 0" in out["different_ranks"] and "[0, 2] on rank 1" in out["different_ranks"]
+        if r != 1:
+            assert out["sum"] == [2.0 * k + 2 for k in range(r, r + 2)]
+        assert out["removed"] is True
+        assert out["after"] == 3.0
+
+
 def test_process_sets(ranks):
     n = 3
     results = ranks("mpi", n).run(process_set_body)

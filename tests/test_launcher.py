@@ -45,6 +45,18 @@ def test_successful_job_exits_zero_with_tagged_output(backend):
     for rank in (0, 1):
         assert f"[{rank}] sum 3 in µs → ✓" in output, output
         assert f"[{rank}] rank {rank} still heard" in output and f"[{rank}] rank {rank} stderr: ±" in output, output
+    if sys.platform.startswith("linux"):  # the job's sockets, read from /proc
+        assert_listens_on_loopback_only(output, must_listen=backend == "torch")
+
+
+def assert_listens_on_loopback_only(output: str, must_listen: bool) -> None:
+    """Every listener of a local job (launcher, MPI or gloo transport, rendezvous store) binds 127.0.0.1."""
+    reports = re.findall(r"rank \d+ listens on (\[[^\]]*\])", output)  # lines of two ranks may interleave
+    assert len(reports) == 2, output
+    seen = {address for report in reports for address in ast.literal_eval(report)}
+    if must_listen:
+        assert seen, output  # the rendezvous store (rank 0) and gloo's pairs do listen: where is the question
+    assert all(address.startswith("127.") or address == "::1" for address in seen), output
 
 
 def test_untagged_output_keeps_every_character_of_every_rank():
@@ -150,28 +162,17 @@ def test_launch_forms_run_with_the_scripts_arguments_untouched():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the sockets from /proc")
-@pytest.mark.parametrize(
-    "backend, script",
-    [("mpi", JOB), ("torch", JOB), ("mpi", TORCH_ENV_JOB), ("torch", TORCH_ENV_JOB)],
-    ids=["mpi", "torch", "mpi-torch-own-init", "torch-torch-own-init"],
-)
-def test_local_job_listens_on_loopback_only(backend, script):
-    """Every listener of a local job (launcher, MPI or gloo transport, rendezvous store) binds 127.0.0.1.
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_torch_own_init_runs_and_listens_on_loopback_only(backend):
+    """A script that calls torch's own `init_process_group("gloo")` (env://) instead of hpdl's.
 
-    Also for a script that calls torch's own `init_process_group("gloo")` (env://) instead of hpdl's: under
-    --backend torch it once failed with EADDRINUSE (the launcher holds the store's port for rank 0), and
-    under MPI its store listened on every interface.
+    Under --backend torch it once failed with EADDRINUSE (the launcher holds the store's port for rank 0),
+    and under MPI its store listened on every interface. (hpdl's own init: the tagged-output test above.)
     """
-    code, output, _ = launch("-n", "2", "--backend", backend, script, "listeners")
+    code, output, _ = launch("-n", "2", "--backend", backend, TORCH_ENV_JOB, "listeners")
     assert code == 0, output
-    reports = re.findall(r"rank \d+ listens on (\[[^\]]*\])", output)  # lines of two ranks may interleave
-    assert len(reports) == 2, output
-    seen = {address for report in reports for address in ast.literal_eval(report)}
-    if script == TORCH_ENV_JOB:
-        assert len(re.findall(r"rank \d of 2: sum 3", output)) == 2, output
-    if backend == "torch" or script == TORCH_ENV_JOB:
-        assert seen, output  # the rendezvous store (rank 0) and gloo's pairs do listen: where is the question
-    assert all(address.startswith("127.") or address == "::1" for address in seen), output
+    assert len(re.findall(r"rank \d of 2: sum 3", output)) == 2, output
+    assert_listens_on_loopback_only(output, must_listen=True)
 
 
 def test_a_dead_jobs_shared_memory_is_removed_by_the_launcher_that_reuses_its_pid(tmp_path):

@@ -68,3 +68,25 @@ def test_knn_paths_agree_and_are_exact(data, metric, monkeypatch):
     )
     np.testing.assert_array_equal(t_idx, idx)
     np.testing.assert_allclose(t_dist, dist, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.skipif(not kernels.USE_JIT, reason="numba is not installed: the torch path needs no compilation")
+def test_a_new_process_loads_the_compiled_loops_from_numba_cache():
+    """A compiled function in a closure cell made numba's cache key differ per process: every process
+    compiled the loops again (3-4 s each) and added a cache entry no other process could use."""
+    import json
+    import subprocess
+    import sys
+
+    kernels.warm_up()  # this process: compiles, or loads what an earlier one wrote
+    probe = (
+        "import json; from hpdl.ml import kernels, fused_loops as f; kernels.warm_up(); "
+        "fns = (f.lloyd_step, f.assign_step, f.topk_insert); "
+        "print(json.dumps([sum(g.stats.cache_hits.values()) for g in fns] + "
+        "[sum(g.stats.cache_misses.values()) for g in fns]))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    hits, misses = counts[:3], counts[3:]
+    assert misses == [0, 0, 0] and all(h >= 2 for h in hits), counts  # float32 and float64 of each, from disk

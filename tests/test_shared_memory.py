@@ -17,15 +17,8 @@ import time
 import pytest
 import torch
 
-from collective_data import expected_reduce, make_input
-
-FORCED = {
-    "HPDL_SHM_MIN_ALLREDUCE": "0",
-    "HPDL_SHM_MIN_REDUCE_SCATTER": "0",
-    "HPDL_SHM_MIN_ALLGATHER": "0",
-    "HPDL_SHM_MIN_BROADCAST": "0",
-    "HPDL_SHM_MB": "0.0625",  # 64 KB of staging per rank: every larger tensor goes through in pieces
-}
+from collective_data import HIERARCHICAL, expected_reduce, make_input
+from collective_data import SHM_FORCED as FORCED
 
 
 def zero_copy(comm, mixed):
@@ -100,7 +93,7 @@ def stress(comm, seed, rounds):
     return checks
 
 
-@pytest.mark.parametrize("nprocs,env", [(2, FORCED), (4, dict(FORCED, HPDL_RANKS_PER_NODE="2"))])
+@pytest.mark.parametrize("nprocs,env", [(2, FORCED), (4, HIERARCHICAL)])
 def test_stress_random_sizes_and_orders(ranks, nprocs, env):
     started = time.monotonic()
     results = ranks("mpi", nprocs, env).run(stress, 7, 60, timeout=120)
@@ -124,7 +117,7 @@ def test_switched_off_by_environment(ranks):
 
 
 def test_hierarchical_status_names_the_nodes(ranks):
-    statuses = ranks("mpi", 4, dict(FORCED, HPDL_RANKS_PER_NODE="2")).run(status)
+    statuses = ranks("mpi", 4, HIERARCHICAL).run(status)
     assert all("hierarchical allreduce across 2 nodes" in s for s in statuses), statuses
 
 

@@ -18,6 +18,8 @@ if mode == "ok":
     print(f"sum {x[0].item():.0f} in µs → ✓", flush=True)  # non-ASCII: MPICH's gforker relay would drop it
     print(f"rank {comm.rank} still heard", flush=True)
     print(f"rank {comm.rank} stderr: ±", file=sys.stderr, flush=True)
+    print(f"rank {comm.rank} listens on {sorted(listening_addresses())}", flush=True)
+    comm.barrier()  # every rank has looked before any leaves
 elif mode == "raise":
     if comm.rank == comm.size - 1:
         raise RuntimeError("boom on the last rank")
@@ -35,8 +37,5 @@ elif mode == "noexit":
 elif mode == "argv":
     if comm.rank == 0:
         print("argv", sys.argv[2:], flush=True)
-elif mode == "listeners":
-    print(f"rank {comm.rank} listens on {sorted(listening_addresses())}", flush=True)
-    comm.barrier()  # every rank has looked before any leaves
 if mode != "noexit":
     hpdl.finalize()

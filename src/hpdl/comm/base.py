@@ -35,7 +35,7 @@ from hpdl.comm.tensors import (
 )
 from hpdl.comm.trace import Tracer
 from hpdl.comm.work import Work, chain
-from hpdl.errors import CommError, CommTimeoutError, NotInitializedError
+from hpdl.errors import CollectiveMismatchError, CommError, CommTimeoutError, NotInitializedError
 
 __all__ = ["Communicator", "DEFAULT_TIMEOUT"]
 
@@ -80,6 +80,7 @@ class Communicator(ABC):
         self.check_every = agreement.default_every(self.backend)
         self._finalize_error: Optional[CommError] = None
         self._broken = False
+        self._finalizing = False
         self._children: list[Communicator] = []
         self._packer = fusion.Packer()
 
@@ -345,6 +346,7 @@ class Communicator(ABC):
         if self._broken or self._closed:
             return
         limit = min(self.timeout, EXIT_BARRIER_SECONDS)
+        self._finalizing = True
         try:
             seq = self._begin("finalize", None, "")
             self._barrier(seq).wait(timeout=limit)
@@ -472,6 +474,45 @@ class Communicator(ABC):
             "or HPDL_TIMEOUT if the work is only slow."
         )
         return CommTimeoutError(message, op=op, seq=seq, missing=tuple(missing))
+
+    def _check_peers(self, op: str, seq: int) -> None:
+        """Called about once a second while collective `seq` waits: raise when a peer can never join it.
+
+        MPI matches collectives by order only, so a rank that finished early (its script returned,
+        `hpdl.finalize`) leaves the others waiting until the timeout, and its exit barrier would wait for
+        them. The progress board shows it at once: a peer whose last post is `finalize`, numbered no later
+        than this collective, ran fewer collectives than this rank; a peer inside a collective numbered at
+        or after this rank's `finalize` runs one that this rank never called.
+        """
+        if self.size == 1:
+            return
+        states = self._board().read(min(1.0, self.timeout))
+        if self._finalizing:
+            strays = [
+                f"rank {r} waits in {state[1]} #{state[0]}"
+                for r, state in enumerate(states)
+                if state is not None and r != self.rank and state[1] not in ("", "finalize") and state[0] >= seq
+            ]
+            if strays:
+                self._broken = True
+                raise CollectiveMismatchError(
+                    f"{', '.join(strays)}, which rank {self.rank} never called: its collective #{seq} on this "
+                    f"communicator is finalize. The ranks ran different numbers of collectives."
+                )
+            return
+        finished = [
+            f"rank {r} (after {state[0] - 1} collectives)"
+            for r, state in enumerate(states)
+            if state is not None and r != self.rank and state[1] == "finalize" and state[0] <= seq
+        ]
+        if finished:
+            self._broken = True
+            raise CollectiveMismatchError(
+                f"{op} #{seq} on rank {self.rank} of {self.size} ({self.backend}) cannot complete: "
+                f"{', '.join(finished)} finished (hpdl.finalize, or the end of its script) without calling it. "
+                "Every rank must call the same collectives in the same order: run with HPDL_DEBUG=1 to compare "
+                "call sites."
+            )
 
     def _trace_op(self, op: str, started: float) -> None:
         if self.tracer is not None:

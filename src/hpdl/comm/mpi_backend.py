@@ -10,11 +10,12 @@ wait can time out.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -191,11 +192,14 @@ class MpiCommunicator(Communicator):
         self.mpi_comm = mpi_comm
         self.cuda_aware = cuda_aware()
         self._progress = WindowBoard(mpi_comm, timeout)
+        self._exit_comm = mpi_comm.Dup()
+        """Where the exit barrier meets: MPI pairs nonblocking collectives by order alone, so on `mpi_comm` a
+        rank still inside a collective would take the others' exit barrier for it (and return garbage)."""
         self.shared_memory = shm.enabled()
         """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
         # Read once: this is consulted on every collective.
         self._shm_thresholds = {op: shm.thresholds(op) for op in shm.DEFAULT_THRESHOLDS}
-        self._shm_smallest = min(low for low, _ in self._shm_thresholds.values())
+        self._shm_smallest: float = min(low for low, _ in self._shm_thresholds.values())
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
         self._fast = FastTables()
@@ -585,12 +589,24 @@ class MpiCommunicator(Communicator):
         made.check_every = self.check_every
         return made
 
+    @contextlib.contextmanager
+    def _on_exit_channel(self) -> Iterator[None]:
+        """Run the exit barrier's collectives on `_exit_comm`, over plain MPI (not the shared-memory engine)."""
+        main, smallest = self.mpi_comm, self._shm_smallest
+        self.mpi_comm, self._shm_smallest = self._exit_comm, math.inf
+        try:
+            yield
+        finally:
+            self.mpi_comm, self._shm_smallest = main, smallest
+
     def _close(self) -> None:
         # Freeing the window waits for every rank: meet at a bounded barrier first,
         # and leave the resources to the process exit if someone does not come.
-        self._exit_barrier()
+        with self._on_exit_channel():
+            self._exit_barrier()
         if self._broken:
             return  # collectives may be pending; freeing would wait on them
+        self._exit_comm.Free()
         if self._node is not None:
             self._node.close()
             self._node.node.Free()

@@ -25,6 +25,8 @@ class WorkOwner(Protocol):
 
     def _timeout_error(self, op: str, seq: int, waited: float) -> CommTimeoutError: ...
 
+    def _check_peers(self, op: str, seq: int) -> None: ...
+
     def _trace_op(self, op: str, started: float) -> None: ...
 
 
@@ -36,14 +38,21 @@ _NOTHING = object()
 # transfer) backs off to sleeping between tests so as not to burn a core.
 SPIN_SECONDS = 1.0
 IDLE_SLEEP = 0.001
+WATCH_SECONDS = 1.0
+"""How often a long wait calls its `watch` (which looks whether the peers can still come)."""
 _yield = getattr(os, "sched_yield", lambda: None)
 
 
-def poll_until(test: Callable[[], bool], deadline: float) -> bool:
-    """Call `test` until it is true (return True) or `deadline` passes (return False)."""
+def poll_until(test: Callable[[], bool], deadline: float, watch: Optional[Callable[[], None]] = None) -> bool:
+    """Call `test` until it is true (return True) or `deadline` passes (return False).
+
+    Once the wait has lasted SPIN_SECONDS, `watch` (if given) is called every WATCH_SECONDS; it raises to
+    end a wait that cannot succeed (a peer that finished without calling this collective).
+    """
     if test():
         return True
     spin_end = time.perf_counter() + SPIN_SECONDS
+    next_watch = spin_end
     while True:
         # The engine advances a transfer inside each test(): keep the loop bare and
         # read the clock only every 64 tests.
@@ -54,6 +63,9 @@ def poll_until(test: Callable[[], bool], deadline: float) -> bool:
         if now >= deadline:
             return test()
         if now > spin_end:
+            if watch is not None and now >= next_watch:
+                watch()
+                next_watch = now + WATCH_SECONDS
             time.sleep(IDLE_SLEEP)
         else:
             _yield()  # a peer on the same core needs it to send what this rank waits for
@@ -130,7 +142,8 @@ class Work(Generic[T]):
             if self._block is not None:
                 finished = self._block(limit)
             else:
-                finished = poll_until(self._test, deadline)
+                watch = None if self.seq < 0 else lambda: self._comm._check_peers(self.op, self.seq)
+                finished = poll_until(self._test, deadline, watch)
             if not finished:
                 raise self._comm._timeout_error(self.op, self.seq, limit)
             self._complete()

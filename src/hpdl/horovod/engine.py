@@ -53,7 +53,15 @@ ROW_WIDTH = 64
 """Ints per rank in a round's first allgather: the header and, in the common case, every queued row."""
 HEADER = 6  # total length, joined, join round, number of requests, key hash this rank waits for, unnamed counter
 
-KIND_NAMES = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall", 5: "reducescatter", 6: "barrier"}
+KIND_NAMES = {
+    1: "allreduce",
+    2: "allgather",
+    3: "broadcast",
+    4: "alltoall",
+    5: "reducescatter",
+    6: "barrier",
+    7: "process_set",
+}
 KINDS = {name: code for code, name in KIND_NAMES.items()}
 DTYPES = [
     torch.uint8,
@@ -202,6 +210,20 @@ def forget(ps: ProcessSet) -> None:
 process_sets.on_removal(forget)
 
 
+def agree_on_change(key: str, ranks: list[int], change: Callable[[Communicator], None]) -> None:
+    """Run `change(global communicator)` once every rank submitted the same process-set change `key`."""
+
+    def launch(rnd: Round, req: Request) -> Callable[[], Any]:
+        change(rnd.comm)
+        return Finish([], lambda: None)
+
+    labels = [("process set ranks", lambda common: common[1 : 1 + common[0]])]
+    synchronize(submit(Request(key, "process_set", [len(ranks), *ranks], labels, [], launch, global_process_set)))
+
+
+process_sets.agree_by(agree_on_change)
+
+
 def state(ps: ProcessSet) -> _SetState:
     assert ps.process_set_id is not None
     st = _states.get(ps.process_set_id)
@@ -324,7 +346,10 @@ def negotiate(st: _SetState, waiting: Optional[Request]) -> Optional[int]:
     for req in queued:
         message.extend(req.row())
     message[0] = len(message)
-    table = _exchange(comm, message)
+    try:
+        table = _exchange(comm, message)
+    except CommError as exc:  # a timeout, a rank that finished: Horovod's error type, as for the data collectives
+        raise basics.internal_error(exc) from exc
     st.rounds += 1
     if timeline.marking_cycles():
         timeline.instant("CYCLE_START")

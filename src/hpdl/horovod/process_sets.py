@@ -116,6 +116,14 @@ registry = _Registry()
 _removal_hooks: list[Callable[[ProcessSet], None]] = []
 
 
+_agreement: list[Callable[[str, list[int], Callable[[Communicator], None]], None]] = []
+
+
+def agree_by(negotiate: Callable[[str, list[int], Callable[[Communicator], None]], None]) -> None:
+    """How a set change is agreed with the other ranks: the engine, which imports this module, hands it over."""
+    _agreement[:] = [negotiate]
+
+
 def on_removal(hook: Callable[[ProcessSet], None]) -> None:
     """Call `hook(process_set)` when a set is removed: the engine, which imports this module, drops its state."""
     _removal_hooks.append(hook)
@@ -170,18 +178,16 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     for other in registry.sets.values():
         if other._ranks() == ps.ranks:
             raise ValueError(f"Attempted to add a duplicate process set: {ps}")
-    # Agree on the set before splitting: a rank that passes other ranks gets an error, not a wrong group.
-    parent = global_process_set.comm
-    assert parent is not None
-    proposals = parent.allgather_object(ps.ranks)
-    if any(p != ps.ranks for p in proposals):
-        raise ValueError(f"add_process_set: ranks differ between ranks (by rank: {proposals}); pass the same list")
-    member = world.rank in ps.ranks
-    ps.comm = parent.split(0 if member else None, world.rank)
-    ps._optimizer_comm = None
-    ps.process_set_id = registry.next_id
-    registry.next_id += 1
-    registry.sets[ps.process_set_id] = ps
+    ranks = ps.ranks
+
+    def split(parent: Communicator) -> None:
+        ps.comm = parent.split(0 if world.rank in ranks else None, world.rank)
+        ps._optimizer_comm = None
+        ps.process_set_id = registry.next_id
+        registry.next_id += 1
+        registry.sets[ps.process_set_id] = ps
+
+    _agree("add", registry.next_id, ranks, split)
     return ps
 
 
@@ -191,8 +197,25 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     ps_id = process_set.process_set_id
     if ps_id is None or ps_id == 0 or registry.sets.get(ps_id) is not process_set:
         return False
-    for hook in _removal_hooks:
-        hook(process_set)
-    del registry.sets[ps_id]
-    process_set._invalidate()
+
+    def remove(parent: Communicator) -> None:
+        for hook in _removal_hooks:
+            hook(process_set)
+        del registry.sets[ps_id]
+        process_set._invalidate()
+
+    _agree("remove", ps_id, process_set._ranks(), remove)
     return True
+
+
+def _agree(action: str, ps_id: int, ranks: list[int], change: Callable[[Communicator], None]) -> None:
+    """Make `change` on every rank at one agreed point of the global set's name-matched operations.
+
+    The engine (which imports this module) negotiates it as Horovod's coordinator handles a process-set
+    change: ranks that pass different ranks get an error on every rank, and ranks that are at different
+    operations (one adding a set while another waits in an allreduce) get "cannot be matched" instead of
+    pairing unrelated collectives.
+    """
+    if not _agreement:
+        raise RuntimeError("hpdl.horovod.engine is not loaded: import hpdl.horovod, not its modules one by one")
+    _agreement[0](f"{action}_process_set.{ps_id}", ranks, change)

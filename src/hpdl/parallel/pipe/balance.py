@@ -122,37 +122,48 @@ def build(layer: LayerSpec, index: int, seed: Optional[int]) -> nn.Module:
 
 
 def measure(
-    layers: Sequence[LayerSpec], sample: Any, *, repeats: int = 3, seed: Optional[int] = None
+    layers: Sequence[LayerSpec], sample: Any, *, repeats: int = 3, sweeps: int = 2, seed: Optional[int] = None
 ) -> list[LayerCost]:
     """Time forward + backward of each layer on `sample` (one micro-batch of the first stage's input).
 
     Modules are measured on a copy (their gradients and buffers stay
-    untouched); factories are built for the measurement and dropped. The
-    fastest of `repeats` runs after one warm-up is kept (the least disturbed by other work).
+    untouched); factories are built for the measurement and dropped. Each
+    layer keeps its fastest of `repeats` runs after one warm-up, over
+    `sweeps` passes through the whole model: other work that slows the
+    machine for a while then has to hit the same layer in every pass to skew
+    the split (with one pass, a busy moment inflated one layer's every run).
     """
-    x: Any = sample
-    costs = []
-    for index, spec in enumerate(layers):
-        with torch.random.fork_rng(devices=[]):
-            layer = copy.deepcopy(spec) if isinstance(spec, nn.Module) else build(spec, index, seed)
-            params = sum(p.numel() * p.element_size() for p in layer.parameters())
-            times, saved, out = [], 0, None
-            for r in range(repeats + 1):
-                inputs = tuple(
-                    t.detach().requires_grad_(t.dtype.is_floating_point) for t in microbatch.as_tensors(x, "sample")
-                )
-                arg = inputs[0] if isinstance(x, torch.Tensor) else inputs
-                start = time.perf_counter()
-                with ActivationMeter(exclude=layer.parameters()) as meter:
-                    out = layer(arg)
-                outs = [t for t in microbatch.as_tensors(out, f"layer {index}'s output") if t.requires_grad]
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                if r:
-                    times.append(time.perf_counter() - start)
-                saved = max(saved, meter.peak)
-                layer.zero_grad(set_to_none=True)
-        costs.append(LayerCost(min(times), 2 * params + saved))
-        x = out.detach() if isinstance(out, torch.Tensor) else tuple(t.detach() for t in out)  # type: ignore[union-attr]
-        del layer
-    return costs
+    seconds = [float("inf")] * len(layers)
+    memory = [0] * len(layers)
+    for _ in range(sweeps):
+        x: Any = sample
+        for index, spec in enumerate(layers):
+            fastest, size, x = _time_layer(spec, index, x, repeats, seed)
+            seconds[index] = min(seconds[index], fastest)
+            memory[index] = max(memory[index], size)
+    return [LayerCost(t, m) for t, m in zip(seconds, memory)]
+
+
+def _time_layer(spec: LayerSpec, index: int, x: Any, repeats: int, seed: Optional[int]) -> tuple[float, int, Any]:
+    """The fastest of `repeats` forward + backward runs, the layer's bytes, and its (detached) output."""
+    with torch.random.fork_rng(devices=[]):
+        layer = copy.deepcopy(spec) if isinstance(spec, nn.Module) else build(spec, index, seed)
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        times, saved, out = [], 0, None
+        for r in range(repeats + 1):
+            inputs = tuple(
+                t.detach().requires_grad_(t.dtype.is_floating_point) for t in microbatch.as_tensors(x, "sample")
+            )
+            arg = inputs[0] if isinstance(x, torch.Tensor) else inputs
+            start = time.perf_counter()
+            with ActivationMeter(exclude=layer.parameters()) as meter:
+                out = layer(arg)
+            outs = [t for t in microbatch.as_tensors(out, f"layer {index}'s output") if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            if r:
+                times.append(time.perf_counter() - start)
+            saved = max(saved, meter.peak)
+            layer.zero_grad(set_to_none=True)
+    detached = out.detach() if isinstance(out, torch.Tensor) else tuple(t.detach() for t in out)  # type: ignore[union-attr]
+    return min(times), 2 * params + saved, detached
