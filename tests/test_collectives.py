@@ -178,6 +178,17 @@ def ring_exchange(comm):
             comm.recv(incoming, left, tag=7)
             sending.wait()
             got[(str(dtype), n)] = bool(torch.equal(incoming, make_input(left, n, dtype)))
+    # src=None: rank 0 takes every other rank's message in arrival order; the work names the sender
+    if comm.rank == 0:
+        senders = []
+        for _ in range(comm.size - 1):
+            t = torch.empty(3)
+            work = comm.recv(t, None, tag=9, async_op=True)
+            work.wait()
+            senders.append((work.source, t.tolist()))
+        got["any source"] = sorted(senders) == [(r, [10.0 * r] * 3) for r in range(1, comm.size)]
+    else:
+        comm.send(torch.full((3,), 10.0 * comm.rank), 0, tag=9)
     return got
 
 

@@ -173,6 +173,16 @@ def async_and_objects(comm: Any, name: str) -> dict:
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     out["batch_isend_irecv"] = big_in[:3].tolist()
+    # recv without src: rank 0 takes the others' messages in whatever order they come, and learns the sender
+    if rank == 0:
+        got = []
+        for _ in range(size - 1):
+            t = torch.empty(3)
+            sender = dist.recv(t, group=g, tag=7)
+            got.append((sender, t.tolist()))
+        out["recv from any rank"] = sorted(got)
+    else:
+        dist.send(torch.full((3,), 10.0 * rank), dst=0, group=g, tag=7)
     dist.barrier(group=g)
     objects: list = [None] * size
     dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank}, group=g)

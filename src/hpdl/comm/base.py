@@ -268,10 +268,15 @@ class Communicator(ABC):
         work = self._send(t, dst, tag)
         return self._finish(work, tensor, async_op, in_place=True)
 
-    def recv(self, tensor: ArrayLike, src: int, *, tag: int = 0, async_op: bool = False) -> Any:
-        """Receive into `tensor` (its shape and dtype must match what `src` sends) and return it."""
+    def recv(self, tensor: ArrayLike, src: Optional[int], *, tag: int = 0, async_op: bool = False) -> Any:
+        """Receive into `tensor` (its shape and dtype must match what `src` sends) and return it.
+
+        `src=None` takes the next message with this tag from any rank; with `async_op=True` the returned
+        work's `source` says, once it completed, which rank sent it.
+        """
         t = self._tensor_arg(tensor, "recv")
-        check_peer(src, self.size, self.rank, "recv", "src")
+        if src is not None:
+            check_peer(src, self.size, self.rank, "recv", "src")
         work = self._recv(t, src, tag)
         return self._finish(work, tensor, async_op, in_place=True)
 
@@ -544,7 +549,7 @@ class Communicator(ABC):
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> Work: ...
 
     @abstractmethod
-    def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work: ...
+    def _recv(self, t: torch.Tensor, src: Optional[int], tag: int) -> Work: ...
 
     @abstractmethod
     def _split(self, color: Optional[int], key: int, seq: int) -> Optional[Communicator]: ...

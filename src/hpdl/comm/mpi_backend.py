@@ -349,7 +349,7 @@ class MpiCommunicator(Communicator):
                 return tensor
         return super().send(tensor, dst, tag=tag, async_op=async_op)
 
-    def recv(self, tensor: Any, src: int, *, tag: int = 0, async_op: bool = False) -> Any:
+    def recv(self, tensor: Any, src: Optional[int], *, tag: int = 0, async_op: bool = False) -> Any:
         if type(tensor) is _Tensor and type(src) is int and self._plain and not async_op:
             spec = self._fast_move.get(tensor.dtype)
             if (
@@ -560,9 +560,10 @@ class MpiCommunicator(Communicator):
         request = self.mpi_comm.Isend(_buffer(host, _move_type(t, "send")), dest=dst, tag=tag)
         return self._work(f"send to {dst}", -1, request, lambda: t, host)
 
-    def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work:
+    def _recv(self, t: torch.Tensor, src: Optional[int], tag: int) -> Work:
         host = self._host(t)
-        request = self.mpi_comm.Irecv(_buffer(host, _move_type(t, "recv")), source=src, tag=tag)
+        source = MPI.ANY_SOURCE if src is None else src
+        request = self.mpi_comm.Irecv(_buffer(host, _move_type(t, "recv")), source=source, tag=tag)
         status = MPI.Status()
 
         def test() -> bool:
@@ -572,11 +573,13 @@ class MpiCommunicator(Communicator):
                 raise _recv_error(exc, src, tag, t) from None
 
         def finish() -> torch.Tensor:
+            work.source = status.Get_source()
             if status.Get_count(MPI.BYTE) != t.numel() * t.element_size():
-                raise _short_message(status.Get_count(MPI.BYTE), src, tag, t)
+                raise _short_message(status.Get_count(MPI.BYTE), work.source, tag, t)
             return _copy_back(t, host)
 
-        return Work(self, f"recv from {src}", -1, test, finish, keep=host)
+        work = Work(self, f"recv from {_peer_name(src)}", -1, test, finish, keep=host)
+        return work
 
     def _split(self, color: Optional[int], key: int, seq: int) -> Optional[Communicator]:
         # Agree on the split with a bounded collective first, so that a missing rank
@@ -660,9 +663,13 @@ class FastTables:
         return spec
 
 
-def _recv_error(exc: Exception, src: int, tag: int, t: torch.Tensor) -> CommError:
+def _peer_name(src: Optional[int]) -> str:
+    return "any rank" if src is None else str(src)
+
+
+def _recv_error(exc: Exception, src: Optional[int], tag: int, t: torch.Tensor) -> CommError:
     return CommError(
-        f"recv from {src} (tag {tag}) into {t.numel()} x {agreement.dtype_name(t.dtype)} "
+        f"recv from {_peer_name(src)} (tag {tag}) into {t.numel()} x {agreement.dtype_name(t.dtype)} "
         f"({t.numel() * t.element_size()} B) failed in MPI: {exc}. A message longer than the receiving tensor "
         "is truncated: the sender's tensor must have the receiver's shape and dtype."
     )

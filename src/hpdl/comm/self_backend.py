@@ -46,7 +46,7 @@ class SelfCommunicator(Communicator):
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> Work:  # unreachable: check_peer rejects every dst
         raise ValueError("send: a one-rank communicator has no other rank")
 
-    def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work:
+    def _recv(self, t: torch.Tensor, src: Optional[int], tag: int) -> Work:
         raise ValueError("recv: a one-rank communicator has no other rank")
 
     def _split(self, color: Optional[int], key: int, seq: int) -> Optional[Communicator]:

@@ -252,9 +252,22 @@ class TorchCommunicator(Communicator):
         handle = dist.isend(t, self._peer(dst), group=self.group, tag=tag)
         return self._work(f"send to {dst}", -1, handle, lambda: t)
 
-    def _recv(self, t: torch.Tensor, src: int, tag: int) -> Work:
+    def _recv(self, t: torch.Tensor, src: Optional[int], tag: int) -> Work:
+        if src is None:  # gloo's recv from any source: the handle knows the sender once it completed
+            handle = dist.irecv(t, None, group=self.group, tag=tag)
+            assert handle is not None  # None only for a rank outside the group, which no communicator has
+            sender = handle._source_rank  # in the group's ranks, as hpdl's own
+
+            def finish() -> torch.Tensor:
+                work.source = sender()
+                return t
+
+            work = self._work("recv from any rank", -1, handle, finish)
+            return work
         handle = dist.irecv(t, self._peer(src), group=self.group, tag=tag)
-        return self._work(f"recv from {src}", -1, handle, lambda: t)
+        work = self._work(f"recv from {src}", -1, handle, lambda: t)
+        work.source = src
+        return work
 
     def _split(self, color: Optional[int], key: int, seq: int) -> Optional[Communicator]:
         table = self.allgather_object((color, key, _hostname()))

@@ -90,7 +90,8 @@ class Work(Generic[T]):
     """
 
     __slots__ = (
-        "_comm", "op", "seq", "_test", "_finish", "_block", "_done", "_result", "_returns", "_started", "_keep"
+        "_comm", "op", "seq", "_test", "_finish", "_block", "_done", "_result", "_returns", "_started", "_keep",
+        "source",
     )  # fmt: skip
 
     def __init__(
@@ -114,6 +115,8 @@ class Work(Generic[T]):
         self._result: Optional[T] = None
         self._returns: Any = _NOTHING
         self._started = time.perf_counter() if comm.tracer is not None else 0.0
+        self.source: Optional[int] = None
+        """For a receive, once it completed: the rank the message came from (what `recv(t, None)` needs)."""
 
     def returns(self, value: Any) -> Work:
         """Make `wait()` return `value` (the caller's own object, for operations in place)."""

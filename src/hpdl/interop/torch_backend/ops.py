@@ -388,7 +388,7 @@ def send(comm: Communicator, tensors: Sequence[torch.Tensor], dst: int, tag: int
     return [comm.send(t.contiguous(), dst, tag=tag, async_op=True) for t in tensors], _nothing
 
 
-def recv(comm: Communicator, tensors: Sequence[torch.Tensor], src: int, tag: int) -> tuple[list, Callable]:
+def recv(comm: Communicator, tensors: Sequence[torch.Tensor], src: Optional[int], tag: int) -> tuple[list, Callable]:
     parts, backs = [], []
     for t in tensors:
         c, back = _contiguous(t)

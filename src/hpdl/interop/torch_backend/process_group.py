@@ -147,10 +147,19 @@ class HpdlProcessGroup(dist.ProcessGroup):
         return self._submit(lambda: ops.recv(self.comm, tensors, src, tag), tensors, p2p=True)
 
     def recv_anysource(self, tensors: list, tag: int = 0) -> HpdlWork:
-        raise RuntimeError(
-            "the hpdl backend does not receive from any source (every hpdl wait names the peer it waits for): "
-            "pass src= to recv/irecv"
-        )
+        """`dist.recv(t)` / `irecv(t)` without `src`: the next message with `tag` from any rank."""
+        work = HpdlWork(tensors)
+
+        def start() -> Started:
+            parts, finish = ops.recv(self.comm, tensors, None, tag)
+
+            def note_the_sender() -> None:
+                work.sender = parts[0].source
+                finish()
+
+            return parts, note_the_sender
+
+        return progress.submit(self.comm, start, work, p2p=True)
 
     # life cycle ------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -30,6 +30,7 @@ class HpdlWork(dist._Work):
         self._future: Optional[torch.futures.Future] = None  # made on first use: most calls never ask for it
         self._outputs = outputs
         self._error: Optional[BaseException] = None
+        self.sender: Optional[int] = None
 
     # torch.distributed's Work API ---------------------------------------------------
     def wait(self, timeout: Any = None) -> bool:
@@ -65,7 +66,12 @@ class HpdlWork(dist._Work):
         self.wait()
 
     def source_rank(self) -> int:
-        raise RuntimeError("source_rank: the hpdl backend does not support recv from any source")
+        """The group rank a receive from any source got its message from (after `wait()`)."""
+        if self.sender is None:
+            raise RuntimeError("source_rank: only a completed recv from any source (dist.recv without src) has one")
+        return self.sender
+
+    _source_rank = source_rank  # what torch.distributed.recv calls
 
     # completion (from the progress engine) -------------------------------------------
     def _complete(self, result: Any, error: Optional[BaseException]) -> None:
