@@ -5,7 +5,9 @@ world once, when the set is added), so its collectives are matched only
 among its members, and a private one for `DistributedOptimizer`'s gradient
 buckets, so the optimizer's traffic never interleaves with the named
 operations of the Horovod API. As in Horovod, `add_process_set` and
-`remove_process_set` are called by every rank, in the same order.
+`remove_process_set` are called by every rank, in the same order; the
+engine agrees on each change as on a named operation, so ranks that pass
+different ranks, or that are at different operations, get an error.
 """
 
 from __future__ import annotations
