@@ -55,6 +55,15 @@ def test_functional_collectives_equal_gloo(pool):
         _same(mine, theirs)
 
 
+def test_a_rank_that_destroys_the_group_early_fails_the_others_collective_at_once(ranks):
+    """Not the whole timeout: the progress engine looks at the peers while a collective waits."""
+    results = ranks("mpi", 3, POOL_ENV).run(bodies.finishes_early, timeout=60)
+    assert results[0][0] < 10, results  # its exit barrier saw the others in a collective it never called
+    for waited, error in results[1:]:
+        assert error.startswith("CollectiveMismatchError") and "rank 0 (after 1 collectives) finished" in error
+        assert waited < 10, results
+
+
 def test_new_group_members_meet_within_the_timeout_and_again_after_it(ranks):
     """The meeting before MPI_Comm_create_group: a missing member is a timeout naming it, and a later meeting
     of the same ranks works (the timed-out receives were cancelled)."""

@@ -308,3 +308,24 @@ def meeting_with_a_missing_rank(comm: Any, seconds: float) -> tuple:
     meet(meeting, [0, 1, 2], seconds)  # the same ranks and tag: no stale message may confuse this one
     meeting.Free()
     return first, "met"
+
+
+def finishes_early(comm: Any) -> tuple:
+    """Rank 0 destroys an hpdl group (as a script's end does) while the others call one more all_reduce on it."""
+    import time
+
+    groups()
+    g = dist.new_group(backend="hpdl")
+    dist.all_reduce(torch.ones(2), group=g)
+    started = time.perf_counter()
+    if dist.get_rank() == 0:
+        dist.destroy_process_group(g)
+        return time.perf_counter() - started, None
+    try:
+        dist.all_reduce(torch.ones(2), group=g)
+        error = "returned"
+    except Exception as exc:  # noqa: BLE001 - the type and message are what the test checks
+        error = f"{type(exc).__name__}: {exc}"
+    waited = time.perf_counter() - started
+    dist.destroy_process_group(g)
+    return waited, error

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
+from hpdl.comm.work import WATCH_SECONDS
 from hpdl.errors import CommTimeoutError
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ IDLE_SECONDS = 1e-3
 
 
 class _Pending:
-    __slots__ = ("parts", "finish", "handle", "comm", "started", "deadline", "p2p")
+    __slots__ = ("parts", "finish", "handle", "comm", "started", "deadline", "p2p", "next_watch")
 
     def __init__(
         self, parts: list, finish: Optional[Callable[[], Any]], handle: HpdlWork, comm: Communicator, p2p: bool
@@ -75,14 +76,22 @@ class _Pending:
         self.comm = comm
         self.started = time.perf_counter()
         self.deadline = self.started + comm.timeout
+        self.next_watch = self.started + WATCH_SECONDS  # a wait of a second: a straggler, not a transfer
 
     def test(self, now: float) -> tuple[bool, Any, Optional[BaseException]]:
-        """(finished, result, error): parts are tested in order; past the deadline the first unfinished one fails."""
+        """(finished, result, error): parts are tested in order; past the deadline the first unfinished one fails.
+
+        A collective that has waited a second looks at the peers once a second, as `Work.wait` does: a
+        peer that finished without calling it fails it at once (`CollectiveMismatchError`).
+        """
         try:
             for i, part in enumerate(self.parts):
                 if not part.is_completed():
                     if now < self.deadline:
                         del self.parts[:i]
+                        if now >= self.next_watch and part.seq >= 0:
+                            self.next_watch = now + WATCH_SECONDS
+                            self.comm._check_peers(part.op, part.seq)
                         return False, None, None
                     part.wait(timeout=0.0)  # raises hpdl's CommTimeoutError, naming the missing ranks
             return True, (self.finish() if self.finish is not None else None), None
