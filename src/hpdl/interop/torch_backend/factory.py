@@ -105,6 +105,7 @@ def meet(meeting: Any, ranks: list[int], timeout: float) -> None:
     """
     from mpi4py import MPI
 
+    from hpdl.comm.work import poll_until
     from hpdl.errors import CommTimeoutError
 
     me, leader = meeting.Get_rank(), ranks[0]
@@ -112,21 +113,18 @@ def meet(meeting: Any, ranks: list[int], timeout: float) -> None:
     token = bytearray(1)
 
     def wait(requests: dict[int, Any], what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            missing = [r for r, request in requests.items() if not request.Test()]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                for r in missing:
-                    requests[r].Cancel()
-                raise CommTimeoutError(
-                    f"new_group(backend='hpdl') of ranks {ranks}: {what.format(missing)} within {timeout:g} s. "
-                    "Every rank must call new_group (and DeviceMesh) with the same ranks in the same order.",
-                    op="new_group",
-                    missing=tuple(missing),
-                )
-            time.sleep(0.001)
+        # Test() of a finished request stays true (it became MPI_REQUEST_NULL)
+        if poll_until(lambda: all(request.Test() for request in requests.values()), time.perf_counter() + timeout):
+            return
+        missing = [r for r, request in requests.items() if not request.Test()]
+        for r in missing:
+            requests[r].Cancel()
+        raise CommTimeoutError(
+            f"new_group(backend='hpdl') of ranks {ranks}: {what.format(missing)} within {timeout:g} s. "
+            "Every rank must call new_group (and DeviceMesh) with the same ranks in the same order.",
+            op="new_group",
+            missing=tuple(missing),
+        )
 
     if me == leader:
         arrivals = {r: meeting.Irecv([bytearray(1), MPI.BYTE], source=r, tag=tag) for r in ranks[1:]}
