@@ -288,8 +288,8 @@ def test_importing_every_parallel_module_rebinds_nothing() -> None:
 
 LIGHT_IMPORT = """
 import sys
-import hpdl, hpdl.cli.main, hpdl.cli.launch, hpdl.dask
-assert "torch" not in sys.modules, "import hpdl (or the launcher) imported torch"
+import hpdl, hpdl.cli.main, hpdl.cli.launch, hpdl.dask, hpdl.train.demo
+assert "torch" not in sys.modules, "import hpdl (or the launcher, or hpdl demo's) imported torch"
 import torch.distributed as dist
 assert "hpdl" in dist.Backend.backend_list, "importing torch after hpdl did not register the backend"
 assert "torch._dynamo" not in sys.modules
@@ -298,7 +298,8 @@ print(hpdl.init.__module__, hpdl.Communicator.__name__, hpdl.runtime.init is hpd
 
 
 def test_import_hpdl_needs_no_torch_and_registers_the_backend_once_torch_loads() -> None:
-    """The launcher and `hpdl dask` start in a fraction of torch's import; torch programs still find "hpdl"."""
+    """The launchers (`hpdl launch`, `hpdl dask`, `hpdl demo`) start in a fraction of torch's import, which
+    their ranks pay, not they; torch programs still find "hpdl"."""
     done = subprocess.run([sys.executable, "-c", LIGHT_IMPORT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["hpdl.runtime.world", "Communicator", "True"]

@@ -104,7 +104,9 @@ def test_client_disconnect_and_reconnect_cluster_carries_on(tmp_path: Path) -> N
     assert done.returncode == 0, _explain(done)
     results = json.loads(out.read_text())
     for protocol in ("tcp", "mpi"):  # the same behaviour as Dask on TCP
+        beating = results[protocol].pop("beating")
         assert results[protocol] == {"before": 45, "after": 4950, "workers_after": 1, "old_client": "closed"}
+        assert list(beating.values()) == [False], beating  # the one worker's heartbeat stopped before shutdown
 
 
 def test_worker_rank_dies_job_ends_with_error() -> None:
@@ -190,6 +192,8 @@ def test_cluster_options_validate() -> None:
 def _disconnect(client: Any) -> dict[str, Any]:
     from distributed import Client
 
+    from hpdl.dask.cluster import _stop_heartbeat
+
     before = client.submit(sum, range(10)).result()
     address = client.scheduler.address
     client.close()
@@ -197,7 +201,9 @@ def _disconnect(client: Any) -> dict[str, Any]:
     with Client(address, timeout=60) as again:
         after = again.submit(sum, range(100)).result()
         workers = len(again.scheduler_info()["workers"])
-    return {"before": before, "after": after, "workers_after": workers, "old_client": old}
+        again.run(_stop_heartbeat)  # what the shutdown does first, so that no heartbeat meets a closing scheduler
+        beating = again.run(lambda dask_worker: dask_worker.periodic_callbacks["heartbeat"].is_running())
+    return {"before": before, "after": after, "workers_after": workers, "old_client": old, "beating": beating}
 
 
 def script_main(mode: str, *args: str) -> None:
