@@ -304,3 +304,112 @@ def test_a_profile_is_timed_when_its_layers_have_any_measured_time():
     CostModel(flat, toy_cluster(), Workload(batch=8, precision="fp32"), measured=True)
     with pytest.raises(ValueError, match="needs a profile with timed layers"):
         CostModel(analytic, toy_cluster(), Workload(batch=8, precision="fp32"), measured=True)
+
+
+# --------------------------------------------------------------------------- spatial parallelism
+def spatial_cnn(side: int = 64) -> tuple[torch.nn.Module, object]:
+    """Convolutions (one strided, one dilated), batch norm and pooling, then a global pool and a linear head."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 16, 3, padding=2, dilation=2), nn.ReLU(), nn.MaxPool2d(2)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+    return net, lambda batch: torch.randn(batch, 3, side, side)
+
+
+def test_a_cnn_profile_marks_the_layers_that_run_on_slabs_and_their_halos():
+    from hpdl.parallel.spatial.cost import spatial_estimate
+
+    net, example = spatial_cnn(64)
+    profile = measure(net, example, batch=2)
+    assert [layer.spatial for layer in profile.layers] == [True, True, True, False, False, False]
+    # one halo row per boundary of each 3x3 conv (two for the dilated one), C x W x 4 bytes per row
+    assert [layer.halo_bytes for layer in profile.layers[:3]] == [1 * 3 * 64 * 4, 1 * 8 * 64 * 4, 2 * 8 * 32 * 4]
+    assert [layer.halo_messages for layer in profile.layers[:3]] == [1, 1, 1]
+    inputs = [(1, 3, 64, 64), (1, 8, 64, 64), (1, 8, 32, 32)]
+    for layer, unit, shape in zip(profile.layers, net, inputs):  # the windows SpatialParallel itself uses
+        assert max(spatial_estimate(unit, shape, parts=2).halo_bytes_forward) == layer.halo_bytes
+    assert profile.spatial_limit() == 16  # the pooled output of the last spatial layer has 16 rows
+    mlp = measure(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), lambda b: torch.randn(b, 8))
+    assert mlp.spatial_limit() == 0 and not any(layer.spatial for layer in mlp.layers)
+
+
+def test_spatial_plans_split_activations_and_compute_and_win_when_a_sample_does_not_fit(tmp_path):
+    from hpdl.cli.plan import write_plan
+
+    net, example = spatial_cnn(256)
+    profile = measure(net, example, batch=2)
+    spatial = [layer for layer in profile.layers if layer.spatial]
+    head = [layer for layer in profile.layers if not layer.spatial]
+    whole = sum(layer.activation_bytes for layer in profile.layers)
+    workload = Workload(batch=1, precision="fp32", optimizer="sgd")
+    # a device holds 40% of one sample's activations: no data-parallel or pipeline plan can hold a sample
+    cluster = toy_cluster(devices_per_node=4, memory_bytes=0.4 * whole, overlap=0.0)
+    model = CostModel(profile, cluster, workload)
+    e = model.estimate(Candidate(1, 1, 1, sp=4))
+    halos = sum(layer.halo_bytes for layer in spatial)
+    # S4: a quarter of the spatial layers' activations, the halos of two neighbours, and the whole head
+    expected = sum(layer.activation_bytes for layer in spatial) / 4 + 2 * halos + sum(a.activation_bytes for a in head)
+    assert e.memory["activations"] == pytest.approx(expected)
+    # S1: the spatial layers' FLOPs divide by 4 (forward + 2x backward), the head's do not
+    flops = sum(layer.flops for layer in spatial) / 4 + sum(layer.flops for layer in head)
+    overheads = (
+        len(profile.layers) * cluster.layer_overhead_s + sum(ly.ops for ly in profile.layers) * cluster.op_overhead_s
+    )
+    assert e.compute_s == pytest.approx(3 * (flops / 1e12 + overheads) + cluster.pass_overhead_s)
+    # S2: with nothing hidden, each spatial conv sends its halo to two neighbours and gets the gradient back
+    link = cluster.intra
+    assert e.halo_s == pytest.approx(sum(4 * coll.p2p(link, ly.halo_bytes) for ly in spatial if ly.halo_messages))
+    assert e.step_s == pytest.approx(e.compute_s + e.halo_s + e.dp_comm_s + e.optimizer_s) and e.dp_comm_s > 0
+    hidden = CostModel(profile, replace(cluster, overlap=1.0), workload).estimate(Candidate(1, 1, 1, sp=4))
+    assert hidden.halo_s == 0.0 and hidden.step_s < e.step_s
+
+    result = search(profile, cluster, workload)
+    assert result.best is not None and result.best.candidate == Candidate(1, 1, 1, sp=4)
+    assert not any(x.fits for x in result.estimates if x.candidate.sp == 1)  # pipelines too: a stage holds too much
+    assert {x.candidate.sp for x in result.estimates} == {1, 4}  # batch 1: dp must be 1, so sp is 1 (pp4) or 4
+    data = result.to_dict()
+    assert data["plan"] is None and data["spatial"] == {"dp": 1, "sp": 4} and data["best"]["sp"] == 4
+    assert "x sp4 (spatial" in why(result)
+    with pytest.raises(ValueError, match=r"SpatialParallel\(model, world.split\(world.rank // 4\)"):
+        result.best_plan()
+    with pytest.raises(ValueError, match="plan files and build\\(\\) do not take"):
+        write_plan(result, str(tmp_path / "plan.toml"))
+
+
+def test_spatial_candidates_stay_where_spatial_parallel_runs():
+    net, example = spatial_cnn(64)
+    profile = measure(net, example, batch=2)
+    found = [c for c in candidates(profile, toy_cluster(), Workload(batch=4, precision="fp32")) if c.sp > 1]
+    # 8 devices, batch 4: dp in {1, 2, 4} so sp in {8, 4, 2}; at most one row per slab of the 16-row layer
+    assert sorted((c.dp, c.sp) for c in found) == [(1, 8), (2, 4), (4, 2)]
+    assert all((c.pp, c.tp, c.zero, c.devices) == (1, 1, 0, 8) for c in found)
+    assert not [
+        c for c in candidates(profile, toy_cluster(), Workload(batch=4, precision="fp32"), spatial=False) if c.sp > 1
+    ]
+    gpt = reference_profile("gpt2")
+    assert not [c for c in candidates(gpt, toy_cluster(), Workload(batch=64, precision="mixed")) if c.sp > 1]
+
+
+def test_a_cnn_whose_activations_exceed_the_machine_is_profiled_on_the_meta_device(tmp_path):
+    from hpdl.plan.profile import measure_factory
+
+    source = tmp_path / "big_cnn.py"
+    source.write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),\n"
+        "                               torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1))\n"
+        "def example_input(batch):\n"
+        "    return torch.empty(batch, 3, 8192, 8192)\n"
+    )
+    profile = measure_factory(f"{source}:make")  # for real: 2 x 64 x 8192^2 x 4 B = 34 GB per saved tensor
+    assert "meta device" in profile.source
+    assert sum(layer.activation_bytes for layer in profile.layers) >= 64 * 8192 * 8192 * 4  # per sample
+    assert [layer.spatial for layer in profile.layers] == [True, True, True, False]

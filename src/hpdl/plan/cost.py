@@ -15,12 +15,18 @@ With equal stages the bubble term is (p - 1) t, the GPipe share
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpdl.plan import collectives as coll
 from hpdl.plan.cluster import Cluster
-from hpdl.plan.memory import gems_bubble_fraction, in_flight, optimizer_traffic, state_bytes
+from hpdl.plan.memory import (
+    gems_bubble_fraction,
+    in_flight,
+    optimizer_traffic,
+    spatial_activation_bytes,
+    state_bytes,
+)
 from hpdl.plan.profile import ModelProfile
 
 __all__ = ["Workload", "Candidate", "Estimate", "CostModel", "balance", "explain_breakdown", "RECOMPUTE"]
@@ -67,13 +73,18 @@ class Candidate:
     micro_batches: int = 1
     schedule: str = "1f1b"
     recompute: str = "never"
+    sp: int = 1
+    """Spatial degree: ranks that split each sample's activations along the height (SpatialParallel), inside
+    each data-parallel replica; only without pipeline and tensor parallelism."""
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.sp
 
     def label(self) -> str:
         text = f"dp{self.dp} pp{self.pp} tp{self.tp} z{self.zero}"
+        if self.sp > 1:
+            text += f" sp{self.sp}"
         if self.pp > 1:
             text += f" m{self.micro_batches} {self.schedule}"
             if self.recompute != "never":
@@ -107,6 +118,8 @@ class Estimate:
     micro_batch: int = 1
     stage_layers: tuple[int, ...] = ()
     samples_per_s: float = 0.0
+    halo_s: float = 0.0
+    """Spatial halo exchange (forward rows, backward gradients) not hidden behind the interior computation."""
 
     def to_dict(self) -> dict[str, Any]:
         c = self.candidate
@@ -114,6 +127,7 @@ class Estimate:
             "dp": c.dp,
             "pp": c.pp,
             "tp": c.tp,
+            "sp": c.sp,
             "zero_stage": c.zero,
             "micro_batches": c.micro_batches,
             "micro_batch_size": self.micro_batch,
@@ -127,6 +141,7 @@ class Estimate:
             "bubble_s": self.bubble_s,
             "dp_comm_s": self.dp_comm_s,
             "optimizer_s": self.optimizer_s,
+            "halo_s": self.halo_s,
             "memory_GB": self.memory_bytes / 1e9,
             "memory_breakdown_GB": {k: v / 1e9 for k, v in self.memory.items()},
             "fits": self.fits,
@@ -259,6 +274,8 @@ class CostModel:
     # ------------------------------------------------------------------ one candidate
     def estimate(self, c: Candidate) -> Estimate:
         """Predicted step time and memory of candidate `c` (see the module docstring and docs/plan.md)."""
+        if c.sp > 1:
+            return self._spatial(c)
         cl, wl = self.cluster, self.workload
         m = c.micro_batches
         b = wl.batch / (c.dp * m)
@@ -309,6 +326,81 @@ class CostModel:
             micro_batch=int(b),
             stage_layers=tuple(self.split(c.pp)),
             samples_per_s=wl.batch / step if step > 0 else math.inf,
+        )
+
+    def _spatial(self, c: Candidate) -> Estimate:
+        """dp x sp (S1-S4): each replica's samples split in `sp` slabs along the height (SpatialParallel).
+
+        S1: the spatial layers' FLOPs (or timed per-sample seconds) divide by sp, the replicated head's do
+        not; the per-layer and per-operator overheads do not shrink. S2: every spatial layer exchanges its
+        halo rows with each neighbour (one for sp = 2, two inside) in forward and its gradients in backward,
+        hidden behind the interior computation for the cluster's overlap share. S3: the weights are
+        replicated over dp x sp, whose gradients are reduced together (D1). S4: activations per device are
+        1/sp of the spatial layers' plus the halos received (`spatial_activation_bytes`) plus the head's.
+        """
+        cl, wl = self.cluster, self.workload
+        b = wl.batch / c.dp
+        whole = self.stages(1, 1)[0]
+        layers = self.profile.layers
+        spatial = [ly for ly in layers if ly.spatial]
+        head = [ly for ly in layers if not ly.spatial]
+        rate = self.rate(c.devices)
+        if self.measured:
+            slowdown = cl.rate(wl.compute_dtype) / rate
+            per_sample = sum(ly.fwd_per_sample_s for ly in spatial) / c.sp + sum(ly.fwd_per_sample_s for ly in head)
+            fwd = (whole.fwd_fixed_s + per_sample * b) * slowdown
+            bwd = self.profile.backward_ratio * fwd
+            interior = (sum(ly.fwd_per_sample_s for ly in spatial) / c.sp) * b * slowdown
+            interior *= 1 + self.profile.backward_ratio
+        else:
+            flops = sum(ly.flops for ly in spatial) / c.sp + sum(ly.flops for ly in head)
+            fwd = flops * b / rate + whole.layers * cl.layer_overhead_s + whole.ops * cl.op_overhead_s
+            bwd = 2 * fwd
+            interior = 3 * sum(ly.flops for ly in spatial) / c.sp * b / rate
+        bwd += cl.pass_overhead_s
+        # S2: halos, forward and backward, to one neighbour (sp = 2) or two; consecutive ranks, one node if they fit
+        link = cl.intra if c.sp <= cl.devices_per_node else cl.inter
+        neighbours = 1 if c.sp == 2 else 2
+        halo_total = 0.0
+        for ly in spatial:
+            if ly.halo_messages:
+                one = coll.p2p(link, ly.halo_bytes * b / ly.halo_messages)
+                halo_total += 2 * neighbours * ly.halo_messages * one
+        halo_t = max(halo_total - cl.overlap * interior, 0.0)
+        # S3: the gradients of the replicated weights, reduced over dp x sp (as data parallelism's D1)
+        replicas = replace(c, dp=c.dp * c.sp, sp=1)
+        bucket = wl.bucket_mb * 1e6
+        dp_t = self._dp_exposed(replicas, whole, coll.group(cl, c.dp * c.sp, 1), bucket, 1, fwd, bwd)
+        measured_ns = (cl.optimizer_ns or {}).get(wl.optimizer.replace("adamw", "adam"))
+        if measured_ns is not None:
+            opt_t = whole.params * measured_ns * 1e-9
+        else:
+            opt_t = whole.params * self.traffic / cl.memory_bandwidth_Bps
+        opt_t += whole.tensors * cl.tensor_overhead_s
+        mem, _, _ = self._memory(replicas, whole, 1, b, False, bucket)
+        # S4: the busiest (interior) slab receives a halo from each neighbour
+        received = neighbours * sum(ly.halo_bytes for ly in spatial) * b
+        mem["activations"] = spatial_activation_bytes(
+            b * sum(ly.activation_bytes for ly in spatial), c.sp, received
+        ) + b * sum(ly.activation_bytes for ly in head)
+        peak = sum(mem.values())
+        step = fwd + bwd + halo_t + dp_t + opt_t
+        return Estimate(
+            candidate=c,
+            step_s=step,
+            compute_s=fwd + bwd,
+            tp_comm_s=0.0,
+            p2p_s=0.0,
+            bubble_s=0.0,
+            dp_comm_s=dp_t,
+            optimizer_s=opt_t,
+            memory_bytes=peak,
+            memory=mem,
+            fits=peak <= cl.memory_bytes,
+            micro_batch=int(b),
+            stage_layers=(len(layers),),
+            samples_per_s=wl.batch / step if step > 0 else math.inf,
+            halo_s=halo_t,
         )
 
     def _gems(self, c: Candidate, stages: list, per_stage: list, times: list, stride: int, g: int) -> tuple:
@@ -487,4 +579,5 @@ def explain_breakdown(e: Estimate) -> dict[str, float]:
         "bubble": e.bubble_s,
         "dp": e.dp_comm_s,
         "optimizer": e.optimizer_s,
+        "halo": e.halo_s,
     }

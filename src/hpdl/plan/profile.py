@@ -71,6 +71,18 @@ class Layer:
     """Parameters this layer uses but another layer owns (a tied LM head); held again if on another stage."""
     tied_to: int = -1
     """Index of the owning layer of `tied_params`."""
+    spatial: bool = False
+    """`hpdl.parallel.spatial.SpatialParallel` runs this layer on slabs of each sample (split along the height):
+    every leaf a convolution, pooling, batch norm or element-wise layer, and no global pool or Flatten before it.
+    Its FLOPs and activations then divide by the spatial degree; the others run replicated."""
+    halo_bytes: float = 0.0
+    """Of a spatial layer, bytes per sample a slab sends its neighbour across one boundary in forward: the halo
+    rows of its convolutions and pools (backward sends as many gradient bytes back)."""
+    halo_messages: int = 0
+    """Convolutions and pools of a spatial layer that exchange halos (messages per boundary and direction)."""
+    spatial_rows: int = 0
+    """Of a spatial layer, the fewest rows along the split dimension of its input and output: each slab needs
+    at least a row of each."""
 
     def scaled(self, factor: float) -> Layer:
         """The same layer with activation and output bytes times `factor` (another activation dtype)."""
@@ -79,6 +91,7 @@ class Layer:
             activation_bytes=self.activation_bytes * factor,
             output_bytes=self.output_bytes * factor,
             tp_activation_bytes=self.tp_activation_bytes * factor,
+            halo_bytes=self.halo_bytes * factor,
         )
 
 
@@ -124,6 +137,11 @@ class ModelProfile:
         factor = dtype_bytes / self.act_dtype_bytes
         layers = tuple(layer.scaled(factor) for layer in self.layers)
         return replace(self, layers=layers, act_dtype_bytes=dtype_bytes)
+
+    def spatial_limit(self) -> int:
+        """Largest spatial degree every spatial layer allows (a row per slab); 0: no layer runs on slabs."""
+        rows = [layer.spatial_rows for layer in self.layers if layer.spatial]
+        return min(rows) if rows else 0
 
     def tp_limit(self) -> int:
         """Largest tensor-parallel degree every layer allows (0: none set)."""
@@ -226,14 +244,21 @@ def measure(
     params = {id(p) for p in model.parameters()}
     seen: set[Any] = set()
 
-    def pre(module: Any, _args: Any) -> None:
+    shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def pre(module: Any, args: Any) -> None:
         i = index[id(module)]
         if i not in order:
             order.append(i)
         current[0] = i
+        if args and isinstance(args[0], torch.Tensor):
+            shapes[i] = (tuple(args[0].shape), ())
 
     def post(module: Any, _args: Any, output: Any) -> None:
-        outputs[index[id(module)]] = _nbytes(output)
+        i = index[id(module)]
+        outputs[i] = _nbytes(output)
+        if i in shapes and isinstance(output, torch.Tensor):
+            shapes[i] = (shapes[i][0], tuple(output.shape))
 
     def pack(t: Any) -> Any:
         base = t._base if t._base is not None else t
@@ -315,6 +340,7 @@ def measure(
     loose = sum(p.numel() for p in model.parameters() if id(p) not in owned)
     if loose:
         layers[0] = replace(layers[0], params=layers[0].params + loose)
+    layers = _with_spatial(layers, [units[i][1] for i in order], [shapes.get(i) for i in order], batch)
     where = "meta device" if device.type == "meta" else f"{device.type}, batch {batch}"
     ratio = 2.0
     if time_batches and device.type != "meta":
@@ -329,6 +355,39 @@ def measure(
         source=f"measured: one forward pass ({where}); FlopCounterMode FLOPs, autograd saved tensors",
         backward_ratio=ratio,
     )
+
+
+def _with_spatial(layers: list[Layer], modules: list[Any], shapes: list[Any], batch: int) -> list[Layer]:
+    """Mark the layers SpatialParallel would run on slabs (split along dim 2) and count their halos.
+
+    The layers up to the first one that is not entirely convolutions, pools, batch norms and element-wise
+    leaves (or that holds a global pool or Flatten) are spatial; from there on the network is replicated, as
+    `hpdl.parallel.spatial.convert` decides. The halo bytes come from `spatial_estimate` at 2 slabs, the same
+    windows the layers use (a boundary's rows do not depend on how many slabs there are)."""
+    from torch import nn
+
+    from hpdl.parallel.spatial.convert import CONVS, ELEMENTWISE, NORMS, POOLS
+    from hpdl.parallel.spatial.cost import spatial_estimate
+
+    out = list(layers)
+    for k, (layer, module, shape) in enumerate(zip(layers, modules, shapes)):
+        leaves = [m for m in module.modules() if not list(m.children())]
+        if shape is None or len(shape[0]) < 3 or len(shape[1]) < 3:
+            break
+        if not all(isinstance(m, CONVS + POOLS + NORMS + ELEMENTWISE) for m in leaves):
+            break  # a global pool, Flatten, Linear, attention: replicated from here on
+        rows = min(shape[0][2], shape[1][2])
+        halo, messages = 0.0, 0
+        if rows >= 2 and any(isinstance(m, CONVS + POOLS) for m in leaves):
+            unit = module if isinstance(module, nn.Module) else nn.Sequential(module)
+            try:
+                estimate = spatial_estimate(unit, shape[0], parts=2)
+            except ValueError:  # a layer whose windows cannot split (thinner than its halo): not spatial
+                break
+            halo = max(estimate.halo_bytes_forward) / batch
+            messages = sum(1 for rows_in in estimate.halo_rows.values() if any(rows_in))
+        out[k] = replace(layer, spatial=True, halo_bytes=halo, halo_messages=messages, spatial_rows=rows)
+    return out
 
 
 def _time_layers(
@@ -446,8 +505,11 @@ def measure_factory(
     example_input: Optional[Callable[[int], Any]] = None,
     kwargs: Optional[dict[str, Any]] = None,
     sample: str = "sample",
+    meta_activations_above: float = 1e9,
 ) -> ModelProfile:
-    """Build the model of `spec` and measure it; on the meta device when it has over `meta_above` parameters."""
+    """Build the model of `spec` and measure it; on the meta device when it has over `meta_above` parameters
+    or its forward on the profiling batch would save over `meta_activations_above` bytes (a CNN on a large
+    image: what spatial parallelism is for, and more than this machine's memory)."""
     import torch
 
     factory, found = load_factory(spec)
@@ -460,5 +522,9 @@ def measure_factory(
     with torch.device("meta"):
         probe = factory(**(kwargs or {}))
     count = sum(p.numel() for p in probe.parameters())
-    model = probe if count > meta_above else factory(**(kwargs or {}))
-    return measure(model, example, name=spec, sample=sample)
+    if count > meta_above:
+        return measure(probe, example, name=spec, sample=sample)
+    shapes = measure(probe, example, name=spec, sample=sample)  # exact shapes and FLOPs, nothing allocated
+    if sum(layer.activation_bytes for layer in shapes.layers) * 2 > meta_activations_above:  # measure's batch
+        return shapes
+    return measure(factory(**(kwargs or {})), example, name=spec, sample=sample)

@@ -38,8 +38,13 @@ def candidates(
     recompute: Sequence[str] = RECOMPUTE,
     zero_stages: Sequence[int] = (0, 1, 2, 3),
     max_tp: Optional[int] = None,
+    spatial: bool = True,
 ) -> Iterator[Candidate]:
-    """Every candidate plan for `devices` devices (default: the whole cluster) that hpdl can run."""
+    """Every candidate plan for `devices` devices (default: the whole cluster) that hpdl can run.
+
+    With `spatial` and a profile whose first layers run on slabs (a CNN), also dp x sp: `sp` ranks split
+    each sample along the height (at most one row per slab of the smallest spatial layer), without
+    pipeline, tensor parallelism or ZeRO, which SpatialParallel does not compose with in a plan."""
     n = devices or cluster.devices
     layers = len(profile.layers)
     heads = profile.tp_limit()
@@ -73,6 +78,10 @@ def candidates(
                             continue  # gems: an even m; its copies' reduction takes neither ZeRO nor tp
                         for rc in recompute:
                             yield Candidate(dp, pp, tp, zero, m, schedule, rc)
+    if spatial:
+        for sp in divisors(n)[1:]:
+            if sp <= profile.spatial_limit() and workload.batch % (n // sp) == 0:
+                yield Candidate(n // sp, 1, 1, 0, 1, "1f1b", "never", sp=sp)
 
 
 @dataclass
@@ -116,7 +125,10 @@ class SearchResult:
             "feasible": len(self.feasible),
             "elapsed_s": self.elapsed_s,
             "best": best.to_dict() if best else None,
-            "plan": plan_fields(best.candidate, self.workload, best.stage_layers) if best else None,
+            "plan": plan_fields(best.candidate, self.workload, best.stage_layers)
+            if best and best.candidate.sp == 1
+            else None,
+            "spatial": {"dp": best.candidate.dp, "sp": best.candidate.sp} if best and best.candidate.sp > 1 else None,
             "ranking": [e.to_dict() for e in self.feasible[:top]],
             "smallest_memory": [e.to_dict() for e in sorted(self.estimates, key=lambda e: e.memory_bytes)[:3]],
             "notes": list(self.notes),
@@ -129,6 +141,11 @@ def plan_fields(c: Candidate, workload: Workload, balance: Optional[Sequence[int
     `balance` (layers per stage, as the cost model split them) is written
     with a pipeline, so that the run uses the split that was predicted.
     """
+    if c.sp > 1:
+        raise ValueError(
+            f"{c.label()}: hpdl.parallel.Plan takes no spatial degree yet; run it as SpatialParallel(model, "
+            f"world.split(world.rank // {c.sp}), grad_comm=world) (docs/spatial.md, 'dp x sp')"
+        )
     fields: dict[str, Any] = {
         "dp": c.dp,
         "pp": c.pp,

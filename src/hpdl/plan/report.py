@@ -32,6 +32,7 @@ PARTS = (
     ("bubble", "the pipeline bubble"),
     ("dp_comm", "exposed data-parallel communication"),
     ("optimizer", "the optimizer step"),
+    ("halo", "spatial halo exchange"),
 )
 
 
@@ -66,9 +67,10 @@ def fmt_s(seconds: float) -> str:
 
 
 def describe(e: Estimate) -> str:
-    """'dp32 x pp4 x tp8, ZeRO-2, 32 micro-batches of 1, 1f1b'."""
+    """'dp32 x pp4 x tp8, ZeRO-2, 32 micro-batches of 1, 1f1b' (and ' x sp4 (spatial ...)' for a spatial plan)."""
     c = e.candidate
-    text = f"dp{c.dp} x pp{c.pp} x tp{c.tp}, " + (f"ZeRO-{c.zero}" if c.zero else "no ZeRO")
+    spatial = f" x sp{c.sp} (spatial: each sample's height split in {c.sp} slabs)" if c.sp > 1 else ""
+    text = f"dp{c.dp} x pp{c.pp} x tp{c.tp}{spatial}, " + (f"ZeRO-{c.zero}" if c.zero else "no ZeRO")
     if c.pp > 1:
         text += f", {c.micro_batches} micro-batches of {e.micro_batch}, {c.schedule}"
         if c.recompute != "never":
@@ -116,6 +118,7 @@ def ranking_table(result: SearchResult, top: int = 10) -> str:
                 c.dp,
                 c.pp,
                 c.tp,
+                c.sp,
                 c.zero,
                 c.micro_batches if c.pp > 1 else "-",
                 c.schedule if c.pp > 1 else "-",
@@ -123,20 +126,21 @@ def ranking_table(result: SearchResult, top: int = 10) -> str:
                 fmt_s(e.step_s),
                 f"{e.samples_per_s:,.1f}",
                 fmt_s(e.compute_s),
-                fmt_s(e.tp_comm_s + e.p2p_s),
+                fmt_s(e.tp_comm_s + e.p2p_s + e.halo_s),
                 fmt_s(e.bubble_s),
                 fmt_s(e.dp_comm_s),
                 f"{fmt_gb(e.memory_bytes)}/{cap / 1e9:g}",
             ]
         )
-    headers = ["#", "dp", "pp", "tp", "zero", "m", "sched", "recompute", "step", "samples/s", "compute",
-               "tp+p2p", "bubble", "dp comm", "GB/device"]  # fmt: skip
+    headers = ["#", "dp", "pp", "tp", "sp", "zero", "m", "sched", "recompute", "step", "samples/s", "compute",
+               "tp+p2p+halo", "bubble", "dp comm", "GB/device"]  # fmt: skip
     return markdown_table(headers, rows)
 
 
 def _families() -> list[tuple[str, Callable[[Estimate], bool]]]:
     return [
-        ("pure data-parallel plan", lambda e: e.candidate.pp == 1 and e.candidate.tp == 1),
+        ("pure data-parallel plan", lambda e: e.candidate.pp == 1 and e.candidate.tp == 1 and e.candidate.sp == 1),
+        ("plan with spatial parallelism", lambda e: e.candidate.sp > 1),
         ("plan with pipeline parallelism", lambda e: e.candidate.pp > 1),
         ("plan without pipeline parallelism", lambda e: e.candidate.pp == 1),
         ("plan with tensor parallelism", lambda e: e.candidate.tp > 1),
@@ -153,6 +157,7 @@ def _parts(e: Estimate) -> dict[str, float]:
         "bubble": e.bubble_s,
         "dp_comm": e.dp_comm_s,
         "optimizer": e.optimizer_s,
+        "halo": e.halo_s,
     }
 
 

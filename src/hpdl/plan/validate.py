@@ -258,6 +258,7 @@ def predictions(options: Options, cluster: Any) -> tuple[list[dict[str, Any]], d
                 schedules=options.schedules,
                 recompute=options.recompute,
                 measured=True,
+                spatial=False,  # validation runs plans through hpdl.parallel.build, which takes no spatial degree
             )
             for e in result.feasible:
                 rows.append(
