@@ -52,6 +52,11 @@ class StoreBoard(ProgressBoard):
 
     def post(self, seq: int, op: str) -> None:
         self._state = (seq, op)
+        if op == "finalize":  # once per communicator: the peers still waiting must see it without asking
+            try:
+                self._store.set(f"{self._prefix}/{self._rank}", f"{seq}:{op}")
+            except (RuntimeError, OSError):  # the store's host has gone already: nobody is left to tell
+                pass
 
     def read(self, timeout: float) -> list[State]:
         self._store.set(f"{self._prefix}/{self._rank}", f"{self._state[0]}:{self._state[1]}")
@@ -301,6 +306,8 @@ class TorchCommunicator(Communicator):
         )
 
     def _close(self) -> None:
+        if not self._finalizing and not self._broken:  # closed without the exit barrier (a sub-group)
+            self._progress.post(self._seq + 1, "finalize")  # so a peer still in a collective on it is told
         if self.group is not None and not self._broken:
             dist.destroy_process_group(self.group)
 

@@ -142,10 +142,10 @@ class Work(Generic[T]):
         if not self._done:
             limit = self._comm.timeout if timeout is None else timeout
             deadline = time.perf_counter() + limit
+            watch = None if self.seq < 0 else lambda: self._comm._check_peers(self.op, self.seq)
             if self._block is not None:
-                finished = self._block(limit)
+                finished = _block_watched(self._block, self._test, deadline, watch)
             else:
-                watch = None if self.seq < 0 else lambda: self._comm._check_peers(self.op, self.seq)
                 finished = poll_until(self._test, deadline, watch)
             if not finished:
                 raise self._comm._timeout_error(self.op, self.seq, limit)
@@ -174,6 +174,21 @@ class Work(Generic[T]):
         self._done = True
         if self._started:
             self._comm._trace_op(self.op, self._started)
+
+
+def _block_watched(
+    block: Callable[[float], bool], test: Callable[[], bool], deadline: float, watch: Optional[Callable[[], None]]
+) -> bool:
+    """Wait in the engine, a second at a time when there is a `watch` to call in between (gloo's wait
+    blocks in C++, where nothing can look whether the peers can still come)."""
+    while True:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return bool(test())
+        if block(remaining if watch is None else min(remaining, WATCH_SECONDS)):
+            return True
+        if watch is not None and time.perf_counter() < deadline:
+            watch()
 
 
 def _finished() -> bool:
