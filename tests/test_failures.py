@@ -114,8 +114,10 @@ def rank0_finishes_early(comm, n):
     return time.perf_counter() - started, f"returned {got[:3].tolist()}"
 
 
-@pytest.mark.parametrize("backend,nprocs", [("mpi", 2), ("mpi", 3), ("torch", 2), ("torch", 3)])
-@pytest.mark.parametrize("n", [1, 100_000])
+@pytest.mark.parametrize(
+    "backend,nprocs,n",
+    [("mpi", 2, 1), ("mpi", 2, 100_000), ("mpi", 3, 1), ("mpi", 3, 100_000), ("torch", 2, 1), ("torch", 3, 100_000)],
+)
 def test_rank_that_finishes_early_is_an_error_on_every_rank_not_garbage(ranks, backend, nprocs, n):
     results = ranks(backend, nprocs).run(rank0_finishes_early, n, timeout=60)
     closing, _ = results[0]

@@ -111,6 +111,7 @@ class TorchCommunicator(Communicator):
         self._store = store
         self._name = name
         self._progress = StoreBoard(store, f"hpdl/progress/{name}", self.rank, self.size)
+        self._gloo = self.engine == "gloo"
 
     @property
     def engine(self) -> str:
@@ -183,7 +184,8 @@ class TorchCommunicator(Communicator):
                 raise CommError(f"{op} #{seq} failed on rank {self.rank} ({self.engine}): {exc}") from exc
             return True
 
-        return Work(self, op, seq, handle.is_completed, finish, block)
+        # gloo's wait can time out and be called again; NCCL's aborts the communicator when it times out
+        return Work(self, op, seq, handle.is_completed, finish, block, sliced=self._gloo)
 
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
         handle = dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)

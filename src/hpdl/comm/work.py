@@ -91,7 +91,7 @@ class Work(Generic[T]):
 
     __slots__ = (
         "_comm", "op", "seq", "_test", "_finish", "_block", "_done", "_result", "_returns", "_started", "_keep",
-        "source",
+        "source", "_sliced",
     )  # fmt: skip
 
     def __init__(
@@ -103,8 +103,12 @@ class Work(Generic[T]):
         finish: Optional[Callable[[], T]] = None,
         block: Optional[Callable[[float], bool]] = None,
         keep: Any = None,
+        sliced: bool = False,
     ):
         self._comm = comm
+        self._sliced = sliced
+        """`block` may return early (a second at a time) and be called again: the wait watches the peers in
+        between. Not for engines whose timed-out wait aborts the communicator (NCCL)."""
         self._keep = keep  # buffers the engine reads or writes until completion (MPI holds only addresses)
         self.op = op
         self.seq = seq
@@ -144,7 +148,7 @@ class Work(Generic[T]):
             deadline = time.perf_counter() + limit
             watch = None if self.seq < 0 else lambda: self._comm._check_peers(self.op, self.seq)
             if self._block is not None:
-                finished = _block_watched(self._block, self._test, deadline, watch)
+                finished = _block_watched(self._block, self._test, deadline, watch if self._sliced else None)
             else:
                 finished = poll_until(self._test, deadline, watch)
             if not finished:
@@ -180,7 +184,7 @@ def _block_watched(
     block: Callable[[float], bool], test: Callable[[], bool], deadline: float, watch: Optional[Callable[[], None]]
 ) -> bool:
     """Wait in the engine, a second at a time when there is a `watch` to call in between (gloo's wait
-    blocks in C++, where nothing can look whether the peers can still come)."""
+    blocks in C++, where nothing can look whether the peers can still come); in one piece without one."""
     while True:
         remaining = deadline - time.perf_counter()
         if remaining <= 0:

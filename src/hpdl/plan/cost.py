@@ -371,12 +371,7 @@ class CostModel:
         replicas = replace(c, dp=c.dp * c.sp, sp=1)
         bucket = wl.bucket_mb * 1e6
         dp_t = self._dp_exposed(replicas, whole, coll.group(cl, c.dp * c.sp, 1), bucket, 1, fwd, bwd)
-        measured_ns = (cl.optimizer_ns or {}).get(wl.optimizer.replace("adamw", "adam"))
-        if measured_ns is not None:
-            opt_t = whole.params * measured_ns * 1e-9
-        else:
-            opt_t = whole.params * self.traffic / cl.memory_bandwidth_Bps
-        opt_t += whole.tensors * cl.tensor_overhead_s
+        opt_t = self._optimizer_s(whole, 1)
         mem, _, _ = self._memory(replicas, whole, 1, b, False, bucket)
         # S4: the busiest (interior) slab receives a halo from each neighbour
         received = neighbours * sum(ly.halo_bytes for ly in spatial) * b
@@ -470,16 +465,20 @@ class CostModel:
         dp_group = coll.group(cl, c.dp, c.tp)
         bucket = self.workload.bucket_mb * 1e6
         dp_t = self._dp_exposed(c, s, dp_group, bucket, c.micro_batches, fwd, bwd + rc)
-        # Optimizer step (O1): memory-bound over the parameters this device updates, plus a fixed cost per tensor.
-        shards = c.dp if c.zero >= 1 else 1
-        measured_ns = (cl.optimizer_ns or {}).get(self.workload.optimizer.replace("adamw", "adam"))
-        if measured_ns is not None:
-            opt_t = s.params / shards * measured_ns * 1e-9
-        else:
-            opt_t = s.params / shards * self.traffic / cl.memory_bandwidth_Bps
-        opt_t += math.ceil(s.tensors / shards) * cl.tensor_overhead_s
+        opt_t = self._optimizer_s(s, c.dp if c.zero >= 1 else 1)
         mem, per_alive, fixed = self._memory(c, s, p, b, recomputes, bucket)
         return fwd + bwd + rc, tp_t, p2p_t, dp_t, opt_t, mem, per_alive, fixed
+
+    def _optimizer_s(self, s: _Stage, shards: int) -> float:
+        """Optimizer step (O1): memory-bound over the parameters this device updates (1/shards of the stage's),
+        plus a fixed cost per tensor; a calibrated cluster's measured nanoseconds per parameter where given."""
+        cl = self.cluster
+        measured_ns = (cl.optimizer_ns or {}).get(self.workload.optimizer.replace("adamw", "adam"))
+        if measured_ns is not None:
+            seconds = s.params / shards * measured_ns * 1e-9
+        else:
+            seconds = s.params / shards * self.traffic / cl.memory_bandwidth_Bps
+        return seconds + math.ceil(s.tensors / shards) * cl.tensor_overhead_s
 
     def _zero3_units(self, s: _Stage) -> int:
         """ZeRO-3 gathers a unit of at least `bucket_mb` of parameters at a time (hpdl's size-based wrap

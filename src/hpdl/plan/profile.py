@@ -364,8 +364,6 @@ def _with_spatial(layers: list[Layer], modules: list[Any], shapes: list[Any], ba
     leaves (or that holds a global pool or Flatten) are spatial; from there on the network is replicated, as
     `hpdl.parallel.spatial.convert` decides. The halo bytes come from `spatial_estimate` at 2 slabs, the same
     windows the layers use (a boundary's rows do not depend on how many slabs there are)."""
-    from torch import nn
-
     from hpdl.parallel.spatial.convert import CONVS, ELEMENTWISE, NORMS, POOLS
     from hpdl.parallel.spatial.cost import spatial_estimate
 
@@ -379,9 +377,8 @@ def _with_spatial(layers: list[Layer], modules: list[Any], shapes: list[Any], ba
         rows = min(shape[0][2], shape[1][2])
         halo, messages = 0.0, 0
         if rows >= 2 and any(isinstance(m, CONVS + POOLS) for m in leaves):
-            unit = module if isinstance(module, nn.Module) else nn.Sequential(module)
             try:
-                estimate = spatial_estimate(unit, shape[0], parts=2)
+                estimate = spatial_estimate(module, shape[0], parts=2)
             except ValueError:  # a layer whose windows cannot split (thinner than its halo): not spatial
                 break
             halo = max(estimate.halo_bytes_forward) / batch
