@@ -1,4 +1,7 @@
-"""`hpdl plan` as a user runs it: memory, search (reference and user models), calibrate, validate --quick, the lab."""
+"""`hpdl plan` as a user runs it: memory, search (reference and user models), calibrate, validate --quick.
+
+The lab runs in tests/test_examples.py, with the other examples.
+"""
 
 from __future__ import annotations
 
@@ -154,17 +157,3 @@ def test_validate_quick_runs_plans_with_the_real_strategies(calibrated, tmp_path
             for r in records]  # fmt: skip
     assert table == sorted(want)
     assert (out / "validate.png").stat().st_size > 1000
-
-
-def test_lab_plans_a_far_cluster_and_runs_the_chosen_plan_here():
-    done = subprocess.run(
-        [sys.executable, "-m", "hpdl.cli.main", "launch", "-n", "2", os.path.join(ROOT, "examples", "lab_plan.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "== 1. GPT-2 XL" in done.stdout and "Best: " in done.stdout
-    assert "predicted" in done.stdout and "measured" in done.stdout
-    assert done.stdout.count("ratio") >= 1
