@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import numpy as np
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import column_or_1d
+from sklearn.utils.validation import assert_all_finite, column_or_1d
 
 from hpdl.ml.base import ShardMismatchError, is_dask_array
 
@@ -19,6 +19,8 @@ def _local_classes(y: Any) -> np.ndarray:
         raise ValueError("requires y to be passed, but the target y is None")
     y = np.asarray(y)
     if y.size:
+        if y.dtype.kind in "fc":  # as scikit-learn's own classifiers do first: not NaN cast to int, with a warning
+            assert_all_finite(y, input_name="y")
         check_classification_targets(y)
     return np.unique(column_or_1d(y, warn=True)) if y.ndim == 2 else np.unique(y.ravel())
 
