@@ -47,17 +47,22 @@ def launch(script: str, *args: str, timeout: float = 240) -> str:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared job's output folder ({out} in SHARED)."""
+    return tmp_path_factory.mktemp("examples")
+
+
+@pytest.fixture(scope="module")
+def shared(shared_dir: Path) -> dict[str, str]:
     """Every example of SHARED, run in one job: name -> the standard output of both ranks (rank 0's first)."""
-    out = tmp_path_factory.mktemp("examples")
+    out = shared_dir
     plan = [[name, os.path.join(EXAMPLES, name), [a.format(out=out) for a in args]] for name, args in SHARED.items()]
     launch_output = launch(os.path.join(HERE, "scripts", "run_examples.py"), str(out), json.dumps(plan), timeout=600)
     outputs = {}
     for name in SHARED:
         files = [out / f"{name}.{rank}.out" for rank in (0, 1)]
         assert all(f.exists() for f in files), f"{name} did not run: {launch_output}"
-        outputs[name] = "".join(Path(f).read_text() for f in files)
-    outputs["{out}"] = str(out)
+        outputs[name] = "".join(f.read_text() for f in files)
     return outputs
 
 
@@ -123,11 +128,11 @@ def test_zero_lab_trains_an_over_budget_model_and_reshards(shared):
     assert "one plain process (epochs 2): same predictions (same: True); consolidated export (same: True)" in output
 
 
-def test_ml_lab_runs_and_checks_its_claims(shared):
+def test_ml_lab_runs_and_checks_its_claims(shared, shared_dir):
     output = shared_output(shared, "lab_ml.py", "--out", "{out}/lab_ml.png")
     assert output.count("(same as scikit-learn: True)") == 4, output
     assert "(same as on the ranks: True)" in output and "False" not in output, output
-    assert Path(shared["{out}"], "lab_ml.png").stat().st_size > 10_000
+    assert (shared_dir / "lab_ml.png").stat().st_size > 10_000
 
 
 def test_plan_lab_plans_a_far_cluster_and_runs_the_chosen_plan_here(shared):

@@ -54,12 +54,15 @@ class StoreBoard(ProgressBoard):
         self._state = (seq, op)
         if op == "finalize":  # once per communicator: the peers still waiting must see it without asking
             try:
-                self._store.set(f"{self._prefix}/{self._rank}", f"{seq}:{op}")
+                self._publish()
             except (RuntimeError, OSError):  # the store's host has gone already: nobody is left to tell
                 pass
 
-    def read(self, timeout: float) -> list[State]:
+    def _publish(self) -> None:
         self._store.set(f"{self._prefix}/{self._rank}", f"{self._state[0]}:{self._state[1]}")
+
+    def read(self, timeout: float) -> list[State]:
+        self._publish()
         keys = [f"{self._prefix}/{r}" for r in range(self._size)]
         deadline = time.perf_counter() + timeout
         while time.perf_counter() < deadline and not self._store.check(keys):
