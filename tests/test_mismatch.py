@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import RankError
+from hpdl.errors import CollectiveMismatchError, CommError
 
 CALLS_AFTER = 16  # the default check period: the error comes at the latest this many calls later
 
@@ -35,13 +36,29 @@ def mismatched(comm, kind):
         comm.allgather(torch.ones(n), sizes=[n] * comm.size, out=torch.zeros(n * comm.size))
     elif kind == "reduce_scatter op":
         comm.reduce_scatter(torch.ones(2 * comm.size), op="min" if last else "sum")
-    elif kind == "broadcast dtype":  # (different sizes hang inside MPICH: a CommTimeoutError, not silent)
+    elif kind == "broadcast dtype":
         comm.broadcast(torch.ones(4, dtype=torch.int32 if last else torch.float32), root=0)
     elif kind == "broadcast root":
         comm.broadcast(torch.ones(4), root=int(last))
     for _ in range(CALLS_AFTER):
         comm.allreduce(torch.ones(1))
     return "no error"
+
+
+def broadcast_of_different_sizes(comm, n):
+    """MPICH fails a receiver whose count differs from the root's at once (in its own words); the root's call
+    returns. The ranks go on, and the agreement check then names both calls on every rank."""
+    at_once = ""
+    try:
+        comm.broadcast(torch.ones(n * (1 + (comm.rank == comm.size - 1))), root=0)
+    except CommError as exc:
+        at_once = str(exc)
+    try:
+        for _ in range(CALLS_AFTER):
+            comm.allreduce(torch.ones(1))
+    except CollectiveMismatchError as exc:
+        return at_once, str(exc)
+    return at_once, "no error"
 
 
 def barrier_after_mismatch(comm):
@@ -97,3 +114,13 @@ def test_short_message_is_an_error_on_the_receiver(ranks):
     assert sent == "no error"
     assert isinstance(received, RankError) and received.type_name == "CommError", received
     assert "sent 16 B" in received.message and "8 x float32 (32 B)" in received.message
+
+
+@pytest.mark.parametrize("n", [1000, 300_000])
+def test_broadcast_of_different_sizes_fails_the_receiver_at_once_and_the_check_names_both(ranks, n):
+    (root_at_once, root_check), (other_at_once, other_check) = ranks("mpi", 2).run(broadcast_of_different_sizes, n)
+    assert root_at_once == ""  # the root's data went out: MPI does not fail its call
+    assert "broadcast #" in other_at_once and "different sizes" in other_at_once, other_at_once
+    for message in (root_check, other_check):
+        assert f"broadcast(float32, root=0) on {4 * n} B" in message, message
+        assert f"broadcast(float32, root=0) on {8 * n} B" in message, message

@@ -151,7 +151,10 @@ def test_rank_that_dies_mid_collective_ends_the_others_within_the_timeout(tmp_pa
 
 def default_thresholds(comm):
     """Between the two thresholds only all-zero-copy calls take shared memory; mixed calls agree on MPI."""
-    n = 1 << 21  # 8 MB of float32: above the zero-copy threshold, below the one for ordinary tensors
+    from hpdl.comm import shm
+
+    zero_copy_from, ordinary_from = shm.DEFAULT_THRESHOLDS["allreduce"]
+    n = (zero_copy_from + ordinary_from) // 2 // 4  # float32: above the zero-copy threshold, below the ordinary one
     window = comm.shared_buffer(n)
     window.fill_(comm.rank + 1)
     before = comm._node._phase

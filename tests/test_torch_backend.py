@@ -60,7 +60,8 @@ def test_a_rank_that_destroys_the_group_early_fails_the_others_collective_at_onc
     results = ranks("mpi", 3, POOL_ENV).run(bodies.finishes_early, timeout=60)
     assert results[0][0] < 10, results  # its exit barrier saw the others in a collective it never called
     for waited, error in results[1:]:
-        assert error.startswith("CollectiveMismatchError") and "rank 0 (after 1 collectives) finished" in error
+        assert error.startswith("CollectiveMismatchError") and "rank 0 (after 1 collectives)" in error, error
+        assert "finished (hpdl.finalize, the end of its script, or an error) without calling it" in error, error
         assert waited < 10, results
 
 
@@ -78,6 +79,7 @@ def test_subgroups_and_device_mesh(pool):
     for rank, result in enumerate(results):
         if rank < 2:
             assert result["hpdl"] == result["gloo"]
+            assert result["opposite orders"] == ([3.0] * 5, [30.0] * 7)
         assert result["mesh"] == ([sum(range(1, pool.nprocs + 1))] * 3, "HpdlProcessGroup")
 
 

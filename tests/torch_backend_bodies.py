@@ -225,7 +225,15 @@ def subgroups(comm: Any) -> dict:
         _SUB["hpdl"] = dist.new_group([0, 1])
         _SUB["gloo"] = dist.new_group([0, 1], backend="gloo")
         _SUB["odd"] = dist.new_group([r for r in range(dist.get_world_size()) if r % 2 == 1] or [0])
+        _SUB["hpdl again"] = dist.new_group([0, 1])
     out: dict = {}
+    if rank in (0, 1):  # two groups' collectives issued in opposite orders on the two ranks: both complete
+        a, b = torch.full((5,), rank + 1.0), torch.full((7,), 10.0 * (rank + 1))
+        calls = [(a, _SUB["hpdl"]), (b, _SUB["hpdl again"])]
+        works = [dist.all_reduce(t, group=g, async_op=True) for t, g in (calls if rank == 0 else calls[::-1])]
+        for work in works:
+            work.wait()
+        out["opposite orders"] = (a.tolist(), b.tolist())
     for name in ("hpdl", "gloo"):
         g = _SUB[name]
         if rank in (0, 1):

@@ -348,7 +348,10 @@ class Communicator(ABC):
 
     def _exit_barrier(self) -> None:
         """Meet every rank before tearing the engine down; a rank that does not come is reported, not awaited."""
-        if self._broken or self._closed:
+        if self._closed:
+            return
+        if self._broken:  # no meeting (the engine may be stuck), but the others' waits see this rank leave at once
+            self._post(self._seq, "left")
             return
         limit = min(self.timeout, EXIT_BARRIER_SECONDS)
         self._finalizing = True
@@ -496,8 +499,15 @@ class Communicator(ABC):
             strays = [
                 f"rank {r} waits in {state[1]} #{state[0]}"
                 for r, state in enumerate(states)
-                if state is not None and r != self.rank and state[1] not in ("", "finalize") and state[0] >= seq
+                if state is not None and r != self.rank and state[1] not in ("", "finalize", "left") and state[0] >= seq
             ]
+            gone = [r for r, state in enumerate(states) if state is not None and r != self.rank and state[1] == "left"]
+            if gone:
+                self._broken = True
+                raise CommError(
+                    f"rank(s) {', '.join(map(str, gone))} left after an error broke their communicator and will not "
+                    f"meet at finalize."
+                )
             if strays:
                 self._broken = True
                 raise CollectiveMismatchError(
@@ -507,17 +517,23 @@ class Communicator(ABC):
             return
         finished = [
             f"rank {r} (after {state[0] - 1} collectives)"
+            if state[1] == "finalize"
+            else f"rank {r} (after an error in collective #{state[0]})"
             for r, state in enumerate(states)
-            if state is not None and r != self.rank and state[1] == "finalize" and state[0] <= seq
+            if state is not None and r != self.rank and state[1] in ("finalize", "left") and state[0] <= seq
         ]
         if finished:
             self._broken = True
             raise CollectiveMismatchError(
                 f"{op} #{seq} on rank {self.rank} of {self.size} ({self.backend}) cannot complete: "
-                f"{', '.join(finished)} finished (hpdl.finalize, or the end of its script) without calling it. "
-                "Every rank must call the same collectives in the same order: run with HPDL_DEBUG=1 to compare "
-                "call sites."
+                f"{', '.join(finished)} finished (hpdl.finalize, the end of its script, or an error) without "
+                "calling it. Every rank must call the same collectives in the same order: run with HPDL_DEBUG=1 to "
+                "compare call sites."
             )
+
+    def _engine_error(self, op: str, seq: int, exc: Exception) -> Exception:
+        """What to raise when the engine itself fails while `op` completes: `exc`, or a backend's clearer error."""
+        return exc
 
     def _trace_op(self, op: str, started: float) -> None:
         if self.tracer is not None:

@@ -218,13 +218,15 @@ class MpiCommunicator(Communicator):
         self.shm_status = "not started (starts with the first collective above its size threshold)"
 
     # ------------------------------------------------------------------ fast paths
-    # The common blocking call on an ordinary contiguous CPU tensor below the shared-memory
-    # thresholds, with debug and tracing off: the same checks, numbering, progress post and
-    # agreement signature as the general path (base.Communicator), with what can be cached
-    # cached per (dtype, op) and no Work object, closure or list built unless the engine is
-    # still busy after the first test. Anything else takes the general path.
+    # The common call on an ordinary contiguous CPU tensor below the shared-memory thresholds,
+    # with debug and tracing off: the same checks, numbering, progress post and agreement
+    # signature as the general path (base.Communicator), with what can be cached cached per
+    # (dtype, op). A blocking call builds no Work object, closure or list unless the engine is
+    # still busy after the first test; a non-blocking one (DataParallel's buckets, the torch
+    # backend's every call) gets the same Work the general path would give, without the
+    # general path's per-call lookups. Anything else takes the general path.
     def allreduce(self, tensor: Any, op: str = "sum", *, async_op: bool = False) -> Any:
-        if type(tensor) is _Tensor and self._plain and not async_op:
+        if type(tensor) is _Tensor and self._plain:
             spec = self._fast_allreduce.get((tensor.dtype, op))
             if spec is not None and tensor.is_cpu and tensor.is_contiguous():
                 nbytes = tensor.nbytes
@@ -240,8 +242,14 @@ class MpiCommunicator(Communicator):
                             agreement.check(self, seq)
                     memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
                     request = self._iallreduce(_IN_PLACE, [memory, spec[0]], spec[1])
-                    if not request.Test():
-                        self._await(request, "allreduce", seq, tensor)
+                    if async_op:
+                        average = (lambda: tensor.div_(self.size)) if op == "avg" else None
+                        return Work(self, "allreduce", seq, request.Test, average, keep=tensor).returns(tensor)
+                    try:
+                        if not request.Test():
+                            self._await(request, "allreduce", seq, tensor)
+                    except MPI.Exception as exc:
+                        raise self._engine_error("allreduce", seq, exc) from exc
                     if op == "avg":
                         tensor.div_(self.size)
                     return tensor
@@ -255,7 +263,7 @@ class MpiCommunicator(Communicator):
             shape = tensor.shape
             size = self.size
             if (
-                spec is not None and shape and not async_op and out.dtype == tensor.dtype and tensor.is_cpu
+                spec is not None and shape and out.dtype == tensor.dtype and tensor.is_cpu
                 and out.is_cpu and tensor.is_contiguous() and out.is_contiguous() and len(sizes) == size
                 and sizes.count(shape[0]) == size and out.shape[0] == shape[0] * size
                 and out.shape[1:] == shape[1:] and (out.data_ptr() != tensor.data_ptr() or not out.numel())
@@ -273,13 +281,18 @@ class MpiCommunicator(Communicator):
                         if not seq % every:
                             agreement.check(self, seq)
                     request = self._iallgather([_memory(tensor), spec[0]], [_memory(out), spec[0]])
-                    if not request.Test():
-                        self._await(request, "allgather", seq, (tensor, out))
+                    if async_op:
+                        return Work(self, "allgather", seq, request.Test, keep=(tensor, out)).returns(out)
+                    try:
+                        if not request.Test():
+                            self._await(request, "allgather", seq, (tensor, out))
+                    except MPI.Exception as exc:
+                        raise self._engine_error("allgather", seq, exc) from exc
                     return out
         return super().allgather(tensor, sizes=sizes, out=out, async_op=async_op)
 
     def reduce_scatter(self, tensor: Any, op: str = "sum", *, out: Any = None, async_op: bool = False) -> Any:
-        if type(tensor) is _Tensor and self._plain and not async_op and (out is None or type(out) is _Tensor):
+        if type(tensor) is _Tensor and self._plain and (out is None or type(out) is _Tensor):
             spec = self._fast_reduce_scatter.get((tensor.dtype, op))
             shape = tensor.shape
             size = self.size
@@ -292,7 +305,7 @@ class MpiCommunicator(Communicator):
                     and out.shape[0] * size == shape[0] and out.shape[1:] == shape[1:]
                     and (out.data_ptr() != tensor.data_ptr() or not out.numel())
                 ):  # fmt: skip
-                    return super().reduce_scatter(tensor, op, out=out)  # which says what is wrong
+                    return super().reduce_scatter(tensor, op, out=out, async_op=async_op)  # which says what is wrong
                 if nbytes < self._shm_smallest:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
@@ -304,15 +317,23 @@ class MpiCommunicator(Communicator):
                         if not seq % every:
                             agreement.check(self, seq)
                     request = self._ireduce_scatter([_memory(tensor), spec[0]], [_memory(out), spec[0]], spec[1])
-                    if not request.Test():
-                        self._await(request, "reduce_scatter", seq, (tensor, out))
+                    if async_op:
+                        result = out
+                        average = (lambda: result.div_(size)) if op == "avg" else None
+                        work = Work(self, "reduce_scatter", seq, request.Test, average, keep=(tensor, out))
+                        return work.returns(out)
+                    try:
+                        if not request.Test():
+                            self._await(request, "reduce_scatter", seq, (tensor, out))
+                    except MPI.Exception as exc:
+                        raise self._engine_error("reduce_scatter", seq, exc) from exc
                     if op == "avg":
                         out.div_(size)
                     return out
         return super().reduce_scatter(tensor, op, out=out, async_op=async_op)
 
     def broadcast(self, tensor: Any, root: int = 0, *, async_op: bool = False) -> Any:
-        if type(tensor) is _Tensor and self._plain and not async_op:
+        if type(tensor) is _Tensor and self._plain:
             spec = self._fast_broadcast.get((tensor.dtype, root))
             if spec is None and type(root) is int and 0 <= root < self.size:
                 spec = self._fast.add_broadcast(tensor.dtype, root)
@@ -330,8 +351,13 @@ class MpiCommunicator(Communicator):
                             agreement.check(self, seq)
                     memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
                     request = self._ibcast([memory, spec[0]], root)
-                    if not request.Test():
-                        self._await(request, "broadcast", seq, tensor)
+                    if async_op:
+                        return Work(self, "broadcast", seq, request.Test, keep=tensor).returns(tensor)
+                    try:
+                        if not request.Test():
+                            self._await(request, "broadcast", seq, tensor)
+                    except MPI.Exception as exc:
+                        raise self._engine_error("broadcast", seq, exc) from exc
                     return tensor
         return super().broadcast(tensor, root, async_op=async_op)
 
@@ -344,8 +370,11 @@ class MpiCommunicator(Communicator):
             ):  # fmt: skip
                 memory = _BUFFERS.get((tensor.data_ptr(), tensor.nbytes)) or _memory(tensor)
                 request = self._isend([memory, spec[0]], dst, tag)
-                if not request.Test():
-                    self._await(request, f"send to {dst}", -1, tensor)
+                try:
+                    if not request.Test():
+                        self._await(request, f"send to {dst}", -1, tensor)
+                except MPI.Exception as exc:
+                    raise self._engine_error(f"send to {dst}", -1, exc) from exc
                 return tensor
         return super().send(tensor, dst, tag=tag, async_op=async_op)
 
@@ -369,6 +398,20 @@ class MpiCommunicator(Communicator):
                     raise _short_message(status.Get_count(_BYTE), src, tag, tensor)
                 return tensor
         return super().recv(tensor, src, tag=tag, async_op=async_op)
+
+    def _engine_error(self, op: str, seq: int, exc: Exception) -> Exception:
+        """MPI's own error while an operation completes, said in terms of what the caller can fix."""
+        if not isinstance(exc, MPI.Exception):
+            return exc
+        what = op if seq < 0 else f"{op} #{seq}"
+        stack = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return CommError(
+            f"{what} failed in MPI on rank {self.rank} of {self.size} ({MPI.Get_error_string(exc.Get_error_class())}"
+            f": {stack[-1] if stack else exc}). With matching calls MPI does not fail here: the usual cause is ranks "
+            "that passed different sizes, dtypes, roots or ops to this operation (MPI compares none of them; hpdl's "
+            "agreement check would have named them at its next check); a rank that died is the other. Run with "
+            "HPDL_DEBUG=1 to compare every rank's call before it runs."
+        )
 
     def _await(self, request: Any, op: str, seq: int, keep: Any, status: Any = None) -> None:
         """Spin on the engine a while (a transfer, not a straggler), then the bounded wait of a `Work`."""

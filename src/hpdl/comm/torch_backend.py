@@ -52,7 +52,7 @@ class StoreBoard(ProgressBoard):
 
     def post(self, seq: int, op: str) -> None:
         self._state = (seq, op)
-        if op == "finalize":  # once per communicator: the peers still waiting must see it without asking
+        if op in ("finalize", "left"):  # once per communicator: the peers still waiting must see it without asking
             try:
                 self._publish()
             except (RuntimeError, OSError):  # the store's host has gone already: nobody is left to tell

@@ -27,6 +27,8 @@ class WorkOwner(Protocol):
 
     def _check_peers(self, op: str, seq: int) -> None: ...
 
+    def _engine_error(self, op: str, seq: int, exc: Exception) -> Exception: ...
+
     def _trace_op(self, op: str, started: float) -> None: ...
 
 
@@ -135,24 +137,38 @@ class Work(Generic[T]):
 
     def is_completed(self) -> bool:
         """True once the operation finished (does not wait)."""
-        if not self._done and self._test():
-            self._complete()
+        if not self._done:
+            try:
+                finished = self._test()
+            except Exception as exc:
+                error = self._comm._engine_error(self.op, self.seq, exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            if finished:
+                self._complete()
         return self._done
 
     def wait(self, timeout: Optional[float] = None) -> T:
         """Wait for completion and return the result; raise `CommTimeoutError` after `timeout` seconds."""
-        if not self._done and self._test():  # finished already: the common case for small messages
-            self._complete()
-        if not self._done:
-            limit = self._comm.timeout if timeout is None else timeout
-            deadline = time.perf_counter() + limit
-            watch = None if self.seq < 0 else lambda: self._comm._check_peers(self.op, self.seq)
-            if self._block is not None:
-                finished = _block_watched(self._block, self._test, deadline, watch if self._sliced else None)
-            else:
-                finished = poll_until(self._test, deadline, watch)
+        try:
+            finished = self._done or self._test()  # finished already: the common case for small messages
             if not finished:
-                raise self._comm._timeout_error(self.op, self.seq, limit)
+                limit = self._comm.timeout if timeout is None else timeout
+                deadline = time.perf_counter() + limit
+                watch = None if self.seq < 0 else lambda: self._comm._check_peers(self.op, self.seq)
+                if self._block is not None:
+                    finished = _block_watched(self._block, self._test, deadline, watch if self._sliced else None)
+                else:
+                    finished = poll_until(self._test, deadline, watch)
+                if not finished:
+                    raise self._comm._timeout_error(self.op, self.seq, limit)
+        except Exception as exc:
+            error = self._comm._engine_error(self.op, self.seq, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        if not self._done:
             self._complete()
         return self._result  # type: ignore[return-value]
 

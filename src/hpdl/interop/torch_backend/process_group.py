@@ -165,6 +165,7 @@ class HpdlProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Free the group's communicator (destroy_process_group calls this on every member)."""
         progress.call(self.comm.close)
+        progress.forget(self.comm)
 
     def abort(self) -> None:
         self.comm._broken = True
