@@ -199,7 +199,7 @@ class MpiCommunicator(Communicator):
         """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
         # Read once: this is consulted on every collective.
         self._shm_thresholds = {op: shm.thresholds(op) for op in shm.DEFAULT_THRESHOLDS}
-        self._shm_smallest: float = min(low for low, _ in self._shm_thresholds.values())
+        self._open_shm_gates()
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
         self._fast = FastTables()
@@ -217,6 +217,16 @@ class MpiCommunicator(Communicator):
         self._status = MPI.Status()
         self.shm_status = "not started (starts with the first collective above its size threshold)"
 
+    def _open_shm_gates(self, closed: bool = False) -> None:
+        """Per operation, the smallest message that may take the shared-memory path (every fast path compares its
+        own: one op's low threshold must not send another op's small messages down the general path)."""
+        gate = {op: math.inf if closed else float(low) for op, (low, _) in self._shm_thresholds.items()}
+        self._shm_smallest = min(gate.values())
+        self._shm_allreduce_from = gate["allreduce"]
+        self._shm_allgather_from = gate["allgather"]
+        self._shm_reduce_scatter_from = gate["reduce_scatter"]
+        self._shm_broadcast_from = gate["broadcast"]
+
     # ------------------------------------------------------------------ fast paths
     # The common call on an ordinary contiguous CPU tensor below the shared-memory thresholds,
     # with debug and tracing off: the same checks, numbering, progress post and agreement
@@ -230,7 +240,7 @@ class MpiCommunicator(Communicator):
             spec = self._fast_allreduce.get((tensor.dtype, op))
             if spec is not None and tensor.is_cpu and tensor.is_contiguous():
                 nbytes = tensor.nbytes
-                if nbytes < self._shm_smallest:
+                if nbytes < self._shm_allreduce_from:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -269,7 +279,7 @@ class MpiCommunicator(Communicator):
                 and out.shape[1:] == shape[1:] and (out.data_ptr() != tensor.data_ptr() or not out.numel())
             ):  # fmt: skip
                 nbytes = tensor.nbytes
-                if nbytes * size < self._shm_smallest:
+                if nbytes * size < self._shm_allgather_from:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -306,7 +316,7 @@ class MpiCommunicator(Communicator):
                     and (out.data_ptr() != tensor.data_ptr() or not out.numel())
                 ):  # fmt: skip
                     return super().reduce_scatter(tensor, op, out=out, async_op=async_op)  # which says what is wrong
-                if nbytes < self._shm_smallest:
+                if nbytes < self._shm_reduce_scatter_from:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -339,7 +349,7 @@ class MpiCommunicator(Communicator):
                 spec = self._fast.add_broadcast(tensor.dtype, root)
             if spec is not None and tensor.is_cpu and tensor.is_contiguous():
                 nbytes = tensor.nbytes
-                if nbytes < self._shm_smallest:
+                if nbytes < self._shm_broadcast_from:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -638,12 +648,14 @@ class MpiCommunicator(Communicator):
     @contextlib.contextmanager
     def _on_exit_channel(self) -> Iterator[None]:
         """Run the exit barrier's collectives on `_exit_comm`, over plain MPI (not the shared-memory engine)."""
-        main, smallest = self.mpi_comm, self._shm_smallest
-        self.mpi_comm, self._shm_smallest = self._exit_comm, math.inf
+        main = self.mpi_comm
+        self.mpi_comm = self._exit_comm
+        self._open_shm_gates(closed=True)
         try:
             yield
         finally:
-            self.mpi_comm, self._shm_smallest = main, smallest
+            self.mpi_comm = main
+            self._open_shm_gates()
 
     def _close(self) -> None:
         # Freeing the window waits for every rank: meet at a bounded barrier first,

@@ -48,20 +48,21 @@ zero-copy buffers gained too (3.0 -> 3.6x at 8 MiB)."""
 _MB = 1024 * 1024
 # Smallest message (bytes) that takes the shared-memory path, per operation:
 # (when every rank's tensor is a shared buffer: zero copy in) and (for
-# ordinary tensors, which must first be copied in). Chosen from tight loops
-# (hpdl against mpi4py, alternating, 7 rounds) on 2 ranks of a 2-core VM with
-# MPICH 5.0.2, 4 MB pieces: from these sizes on the shared-memory path was
-# faster in every round (allreduce: 1.2x zero-copy at 512 KiB, 1.1-1.3x
-# copied in at 1 MiB, 1.6x from 4 MiB); below them MPICH's own algorithms
-# are as fast or faster. Copied-in reduce_scatter beats MPICH only where
-# MPICH's own slows down (4x at 64 MiB; 0.9-1.5x at 16-48 MiB), MPICH's
-# broadcast is never slower. HPDL_SHM_MIN_<OP>=bytes overrides both numbers
-# of one operation.
+# ordinary tensors, which must first be copied in). Chosen on 2 ranks of a
+# 2-core VM with MPICH 5.0.2, 4 MB pieces, where `hpdl bench comm` (one call
+# between barriers) and tight loops of calls (caches warm) both had the
+# shared-memory path faster: allreduce 1.3x zero-copy at 1 MiB, 1.2-1.4x
+# copied in from 4 MiB (at 1 MiB copied in, the loops said 1.1x and the
+# benchmark 0.8x: left to MPICH); allgather 1.5x zero-copy from 16 MiB of
+# output and 1.4x copied in from 32 MiB; reduce_scatter 1.5x zero-copy
+# from 2 MiB of input, copied in only where MPICH's own slows down (4x at
+# 64 MiB; 0.9-1.5x at 16-48 MiB). MPICH's broadcast is never slower.
+# HPDL_SHM_MIN_<OP>=bytes overrides both numbers of one operation.
 NEVER = 1 << 62
 DEFAULT_THRESHOLDS = {
-    "allreduce": (_MB // 2, _MB),
-    "reduce_scatter": (_MB, 64 * _MB),
-    "allgather": (4 * _MB, 16 * _MB),
+    "allreduce": (_MB, 4 * _MB),
+    "reduce_scatter": (2 * _MB, 64 * _MB),
+    "allgather": (16 * _MB, 32 * _MB),
     "broadcast": (NEVER, NEVER),
 }
 
