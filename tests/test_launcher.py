@@ -204,3 +204,11 @@ def test_a_dead_jobs_shared_memory_is_removed_by_the_launcher_that_reuses_its_pi
     removed = sorted(os.path.basename(p) for p in remove_forker_segments(int(pid), root=str(left)))
     assert removed == sorted(mapped)
     assert os.listdir(left) == ["mpich_shm_1234abcd_0"]
+
+
+def test_ranks_put_large_torch_tensors_on_huge_pages_unless_the_caller_chose():
+    """Without it every step's fresh activations cost a page fault per 4 KB (kernel time > compute at 2048^2)."""
+    from hpdl.runtime import spawn
+
+    assert spawn.job_environment("mpi", 2, base={})["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert spawn.job_environment("torch", 2, base={"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
