@@ -26,7 +26,7 @@ import time
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
-from hpdl.comm.work import WATCH_SECONDS
+from hpdl.comm.work import WATCH_SECONDS, poll_until
 from hpdl.errors import CommTimeoutError
 
 if TYPE_CHECKING:
@@ -215,21 +215,18 @@ class Progress:
         with self._cond:
             if len(self._inflight) != 1 or self._inflight[0].handle is not handle:
                 return
-            pending = self._inflight[0]
-            end = time.perf_counter() + ALONE_SECONDS
-            while True:
-                for _ in range(64):
-                    done, result, error = pending.test(0.0)  # 0: before any deadline or watch (checked later)
-                    if done:
-                        break
-                else:
-                    if time.perf_counter() > end:
-                        return
-                    _yield()  # a peer on the same core may need it to send what this rank waits for
-                    continue
-                break
+            pending, outcome = self._inflight[0], []
+
+            def test() -> bool:
+                done, result, error = pending.test(0.0)  # 0: before any deadline or watch (the general loop's)
+                if done:
+                    outcome.append((handle, result, error))
+                return done
+
+            if not poll_until(test, time.perf_counter() + ALONE_SECONDS):
+                return
             self._inflight.clear()
-        self._deliver([(handle, result, error)])
+        self._deliver(outcome)
 
     def poll(self) -> None:
         """Test the operations in flight once (for `is_completed`)."""
