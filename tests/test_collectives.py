@@ -320,22 +320,34 @@ def into_out(comm):
     exchanged = np.empty(k, dtype=np.int64)
     same_a = comm.alltoall(np.arange(k) + 10 * r, out=exchanged) is exchanged
     work = comm.allgather(torch.tensor([r]), out=torch.empty(k, dtype=torch.int64), async_op=True)
+    in_place = torch.full((2 * k, 3), -1.0)  # each rank's input is its own block of out (FSDP's gather)
+    in_place[2 * r : 2 * r + 2] = float(r)
+    comm.allgather(in_place[2 * r : 2 * r + 2], out=in_place)
+    first = sum(range(1, r + 1))
+    in_place_uneven = torch.full((sum(range(1, k + 1)),), -1, dtype=torch.int64)
+    in_place_uneven[first : first + r + 1] = r
+    comm.allgather(in_place_uneven[first : first + r + 1], sizes=list(range(1, k + 1)), out=in_place_uneven)
     errors = []
     for bad in (torch.empty(2 * k + 1, 3), torch.empty(2 * k, 3, dtype=torch.float64), torch.empty(2 * k, 3).t()):
         try:
             comm.allgather(torch.ones(2, 3), out=bad)
         except ValueError as exc:
             errors.append(str(exc))
-    return gathered, same_g, uneven, scattered, same_s, exchanged, same_a, work.wait(), errors
+    in_place_results = (in_place, in_place_uneven)
+    return gathered, same_g, uneven, scattered, same_s, exchanged, same_a, work.wait(), in_place_results, errors
 
 
 def test_results_into_caller_buffers(group):
     k = group.nprocs
     for r, result in enumerate(group.run(into_out)):
-        gathered, same_g, uneven, scattered, same_s, exchanged, same_a, waited, errors = result
+        gathered, same_g, uneven, scattered, same_s, exchanged, same_a, waited, (in_place, in_place_uneven), errors = (
+            result
+        )
         assert same_g and same_s and same_a
         assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(s)) for s in range(k)]))
+        assert torch.equal(in_place, gathered)
         assert torch.equal(uneven, torch.cat([torch.full((s + 1,), s) for s in range(k)]))
+        assert torch.equal(in_place_uneven, uneven)
         assert scattered.tolist() == [1.0, 1.0]
         np.testing.assert_array_equal(exchanged, r + 10 * np.arange(k))
         assert waited.tolist() == list(range(k))

@@ -12,9 +12,10 @@ all of them alike:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -179,11 +180,31 @@ def measure_fsdp(options: Options, world: Any, groups: dict) -> list[dict]:
     gen = torch.Generator().manual_seed(world.rank)
     batches = [(torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen))]
     times = _timed_rounds(contenders, _steps(options, batches, F.cross_entropy), options.rounds, world)
+    peaks = _step_peaks(contenders, _steps(replace(options, steps=1), batches, F.cross_entropy), world)
     records = []
     for i, c in enumerate(contenders):
         samples = [batch * world.size * options.steps / t for t in times[i]]
-        records.append({"part": "fsdp", "model": name, "contender": c.name, "samples_per_s": report.summarize(samples)})
+        records.append({"part": "fsdp", "model": name, "contender": c.name, "samples_per_s": report.summarize(samples),
+                        "step_peak_rss_bytes": peaks[i]})  # fmt: skip
     return records
+
+
+def _step_peaks(contenders: list, run: Callable[[Any], None], world: Any) -> list[Optional[int]]:
+    """Per contender, what one training step adds to the resident set at its peak (the largest of two probes, in
+    alternating order, on the rank where it is largest); None where Linux's high-water mark cannot be reset."""
+    from mpi4py import MPI
+
+    from hpdl.bench import resident
+
+    peaks = np.zeros(len(contenders))
+    for _ in range(2):
+        for i, c in enumerate(contenders):
+            c.sync()
+            peak = resident.peak_increase(functools.partial(run, c))
+            peaks[i] = max(peaks[i], -1.0 if peak is None else float(peak))
+            c.sync()
+    world.mpi_comm.Allreduce(MPI.IN_PLACE, peaks, op=MPI.MAX)
+    return [None if p < 0 else int(p) for p in peaks]
 
 
 def measure_allreduce(options: Options, world: Any, groups: dict) -> list[dict]:
@@ -241,9 +262,10 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
             med = {k: v["samples_per_s"]["median"] for k, v in mine.items()}
             for name, r in mine.items():
                 ratio_gloo = med[name] / med.get(f"{part}2-gloo" if part == "fsdp" else "ddp-gloo", med[name])
-                diff = r.get("max_param_diff_vs_ddp_gloo")
+                diff, peak = r.get("max_param_diff_vs_ddp_gloo"), r.get("step_peak_rss_bytes")
                 rows.append([part, model, name, _rate(r["samples_per_s"]), f"{ratio_gloo:.2f}x",
-                             "" if diff is None else f"{diff:.1e}"])  # fmt: skip
+                             "" if diff is None else f"{diff:.1e}",
+                             "" if peak is None else f"{peak / 2**20:.0f}"])  # fmt: skip
             if part == "ddp":
                 targets.append(f"{report.verdict(med['ddp-hpdl'] >= 1.2 * med['ddp-gloo'])} {model}: DDP on hpdl "
                                f"{med['ddp-hpdl'] / med['ddp-gloo']:.2f}x gloo (target >= 1.2x)")  # fmt: skip
@@ -255,7 +277,13 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
                 targets.append(
                     f"{report.verdict(ratio >= 2.0)} {model}: FSDP2 on hpdl {ratio:.2f}x gloo (target >= 2x)"
                 )
-        headers = ["part", "model", "contender", "samples/s median [min-max]", "vs gloo", "max |param diff| vs gloo"]
+                ours, theirs = (mine[k].get("step_peak_rss_bytes") for k in ("fsdp2-hpdl", "fsdp2-gloo"))
+                if ours is not None and theirs is not None:
+                    targets.append(f"{report.verdict(ours <= 1.05 * theirs)} {model}: FSDP2 step's peak RSS on hpdl "
+                                   f"{ours / 2**20:.0f} MiB, on gloo {theirs / 2**20:.0f} MiB (target: no higher, "
+                                   "5% allowed)")  # fmt: skip
+        headers = ["part", "model", "contender", "samples/s median [min-max]", "vs gloo", "max |param diff| vs gloo",
+                   "step's peak RSS increase (MiB)"]  # fmt: skip
         blocks.append(report.markdown_table(headers, rows, right_align_from=3))
     lat = [r for r in records if r["part"] == "allreduce"]
     if lat:
@@ -277,7 +305,9 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
         f"{config['world_ranks']} ranks, {options.rounds} rounds, contenders alternating in a new order each round."
     )
     notes = ["samples/s = global batch x steps / sample time (slowest rank); latency = median [min-max] over rounds.",
-             "ddp-hpdl and ddp-gloo run the same unmodified DDP code; only the process group differs."]  # fmt: skip
+             "ddp-hpdl and ddp-gloo run the same unmodified DDP code; only the process group differs.",
+             "step's peak RSS increase: what one FSDP2 step adds to the resident set at its peak (Linux VmHWM, reset "
+             "before the step; the largest of two probes and of the ranks)."]  # fmt: skip
     text = report.markdown_document("hpdl bench torch", header, blocks, notes, targets)
     report.write_report(options.out, "torch", text, records, config, elapsed)
 

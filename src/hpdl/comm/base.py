@@ -145,7 +145,9 @@ class Communicator(ABC):
         small exchange of sizes that an uneven gather otherwise needs. `out`
         receives the result instead of a new tensor (no allocation, which
         matters for large buffers); with `out` and no `sizes`, every rank's
-        dim 0 is taken to equal this rank's (debug mode checks it).
+        dim 0 is taken to equal this rank's (debug mode checks it). `tensor`
+        may be this rank's own block of `out` (a gather in place, as FSDP
+        does): nothing is copied for it.
         """
         t = self._tensor_arg(tensor, "allgather")
         if t.dim() == 0:
@@ -165,7 +167,7 @@ class Communicator(ABC):
                     f"allgather: sizes={list(sizes)} must list {self.size} dim-0 sizes with this rank's "
                     f"({t.shape[0]}) at position {self.rank}"
                 )
-        target = self._out_arg(out, t, (sum(counts), *t.shape[1:]), "allgather")
+        target = self._out_arg(out, t, (sum(counts), *t.shape[1:]), "allgather", block_at=sum(counts[: self.rank]))
         work = self._allgather(t, counts, seq, target)
         return self._finish(work, tensor if out is None else out, async_op, in_place=out is not None)
 
@@ -384,16 +386,26 @@ class Communicator(ABC):
         check_contiguous(t, op)
         return t
 
-    def _out_arg(self, out: Any, like: torch.Tensor, shape: tuple, op: str) -> Optional[torch.Tensor]:
-        """Check a caller's output buffer: a contiguous tensor of the result's shape, dtype and device."""
+    def _out_arg(
+        self, out: Any, like: torch.Tensor, shape: tuple, op: str, block_at: Optional[int] = None
+    ) -> Optional[torch.Tensor]:
+        """Check a caller's output buffer: a contiguous tensor of the result's shape, dtype and device.
+
+        `block_at` (rows): the input may be exactly the output's block that starts there (a gather in place).
+        """
         if out is None:
             return None
         target = self._tensor_arg(out, op)
         check_same_device_dtype(target, like, op)
         if tuple(target.shape) != tuple(shape):
             raise ValueError(f"{op}: out has shape {tuple(target.shape)}; the result has shape {tuple(shape)}")
+        if block_at is not None and is_block_of(like, target, block_at):
+            return target
         if target.data_ptr() == like.data_ptr() and like.numel():
-            raise ValueError(f"{op}: out must not share memory with the input")
+            raise ValueError(
+                f"{op}: out must not share memory with the input"
+                + (" (except an allgather's input that is exactly this rank's block of out)" if block_at else "")
+            )
         return target
 
     def _check_open(self, op: str) -> None:
@@ -575,6 +587,12 @@ class Communicator(ABC):
 
 
 _DTYPE = operator.attrgetter("dtype")
+
+
+def is_block_of(t: torch.Tensor, out: torch.Tensor, rows_before: int) -> bool:
+    """Whether `t` is exactly the block of `out` that starts `rows_before` rows in (an allgather in place)."""
+    row = t.element_size() * math.prod(t.shape[1:])
+    return bool(t.numel()) and t.device == out.device and t.data_ptr() == out.data_ptr() + rows_before * row
 
 
 def _pickle(obj: Any) -> torch.Tensor:

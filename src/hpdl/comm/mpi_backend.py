@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hpdl.comm import agreement, shm
-from hpdl.comm.base import Communicator
+from hpdl.comm.base import Communicator, is_block_of
 from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
 from hpdl.comm.work import Work, completed, poll_until
@@ -276,9 +276,13 @@ class MpiCommunicator(Communicator):
                 spec is not None and shape and out.dtype == tensor.dtype and tensor.is_cpu
                 and out.is_cpu and tensor.is_contiguous() and out.is_contiguous() and len(sizes) == size
                 and sizes.count(shape[0]) == size and out.shape[0] == shape[0] * size
-                and out.shape[1:] == shape[1:] and (out.data_ptr() != tensor.data_ptr() or not out.numel())
+                and out.shape[1:] == shape[1:]
             ):  # fmt: skip
                 nbytes = tensor.nbytes
+                mine = tensor.data_ptr()
+                in_place = mine == out.data_ptr() + nbytes * self.rank and nbytes
+                if mine == out.data_ptr() and nbytes and not in_place:  # the general path says what is wrong
+                    return super().allgather(tensor, sizes=sizes, out=out, async_op=async_op)
                 if nbytes * size < self._shm_allgather_from:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
@@ -290,7 +294,8 @@ class MpiCommunicator(Communicator):
                         self._ring[seq % every] = spec[1] | row << 32 | (shape[0] * size + 1) << 80
                         if not seq % every:
                             agreement.check(self, seq)
-                    request = self._iallgather([_memory(tensor), spec[0]], [_memory(out), spec[0]])
+                    send = _IN_PLACE if in_place else [_memory(tensor), spec[0]]  # an in-place block: MPI's own form
+                    request = self._iallgather(send, [_memory(out), spec[0]])
                     if async_op:
                         return Work(self, "allgather", seq, request.Test, keep=(tensor, out)).returns(out)
                     try:
@@ -559,12 +564,13 @@ class MpiCommunicator(Communicator):
         row = math.prod(t.shape[1:])
         out_host = _output(out, host, (sum(sizes), *t.shape[1:]), t.dtype)
         dtype = _move_type(t, "allgather")
+        send = _IN_PLACE if is_block_of(host, out_host, sum(sizes[: self.rank])) else _buffer(host, dtype)
         if len(set(sizes)) == 1:
-            request = self.mpi_comm.Iallgather(_buffer(host, dtype), _buffer(out_host, dtype))
+            request = self.mpi_comm.Iallgather(send, _buffer(out_host, dtype))
         else:
             counts = [n * row for n in sizes]
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-            request = self.mpi_comm.Iallgatherv(_buffer(host, dtype), [_memory(out_host), counts, displs, dtype])
+            request = self.mpi_comm.Iallgatherv(send, [_memory(out_host), counts, displs, dtype])
 
         return self._work("allgather", seq, request, lambda: _deliver(out_host, out, t.device), host)
 

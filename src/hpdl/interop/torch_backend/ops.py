@@ -215,7 +215,8 @@ def all_gather_single(
         raise ValueError(f"all_gather_into_tensor: output dtype {output.dtype} differs from input's {input.dtype}")
     flat_out, back = _out_buffer(output)
     source = _flat_input(input)
-    if _overlaps(source, flat_out):  # the input is a view of the output (FSDP's in-place gather)
+    # The input is often this rank's block of the output (FSDP's in-place gather): hpdl gathers in place then.
+    if _overlaps(source, flat_out) and source.data_ptr() != flat_out.data_ptr() + comm.rank * n * input.element_size():
         source = source.clone()
     work = comm.allgather(source, sizes=[n] * comm.size, out=flat_out, async_op=True)
     return [work], back
