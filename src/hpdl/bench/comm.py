@@ -32,7 +32,7 @@ from hpdl.bench import report
 
 __all__ = ["launch", "main", "COLUMNS", "OPS", "SHM_OPS"]
 
-from hpdl.bench.comm_report import debug_table, fusion_table, header_lines, op_tables, plot, targets
+from hpdl.bench.comm_report import debug_table, fusion_table, header_lines, loop_table, op_tables, plot, targets
 from hpdl.bench.comm_spec import (
     COLUMNS,
     COPY_FROM,
@@ -42,6 +42,8 @@ from hpdl.bench.comm_spec import (
     FUSION_TENSORS,
     GLOO_PREFIXES,
     ITEMSIZE,
+    LOOP_CALLS,
+    LOOP_UP_TO,
     MIB,
     OPS,
     QUICK_SIZES,
@@ -466,6 +468,32 @@ def measure_ops(b: Bench) -> list[dict[str, Any]]:
     return records
 
 
+def measure_loops(b: Bench) -> list[dict[str, Any]]:
+    """hpdl-mpi and mpi4py in back-to-back calls (OSU-style: one barrier, then `LOOP_CALLS` calls), for messages
+    up to `LOOP_UP_TO`: the cost of a call itself, without the barrier's exit skew that one call per repetition
+    carries (which, on a shared VM, moves medians by tens of percent between runs)."""
+    records = []
+    calls = 10 if b.options.quick else LOOP_CALLS
+    for op in OPS:
+        for nbytes in [n for n in b.options.sizes if n <= LOOP_UP_TO]:
+            case = CASES[op](b, nbytes)
+            columns = {name: _repeated(case.columns[name], calls) for name in ("hpdl-mpi", "mpi4py")}
+            pingpong = op == "sendrecv"
+            samples, reps = b.alternate(columns, warmup=1, reduce="rank0" if pingpong else "max")
+            for column, seconds in samples.items():
+                per_call = [s / calls / (2 if pingpong else 1) for s in seconds]
+                records.append(_record("loop", op, column, nbytes, per_call, reps, 1, b, pingpong=pingpong))
+    return records
+
+
+def _repeated(call: Column, times: int) -> Column:
+    def run() -> None:
+        for _ in range(times):
+            call()
+
+    return run
+
+
 def measure_copy(b: Bench) -> list[dict[str, Any]]:
     """`dst.copy_(src)` of the same bytes in one process: a ceiling no allreduce of those bytes can beat."""
     import torch
@@ -668,6 +696,9 @@ def write_report(b: Bench, records: list[dict[str, Any]], elapsed: float) -> Non
         "Ratios are ratios of medians; gloo = raw torch.distributed on gloo. Copy = `dst.copy_(src)` in one "
         "process (rank 0), printed for sizes >= 64 KiB; '% of copy' = copy time / hpdl-mpi time.\n\n"
         + op_tables(records, sizes),
+        "## Back-to-back calls (µs per call, median [p10, p90] over repetitions)\n\n"
+        f"Each repetition: one barrier, then {10 if b.options.quick else LOOP_CALLS} calls in a row (OSU-style); "
+        "the per-call cost without the barrier's exit skew that the tables above carry.\n\n" + loop_table(records),
         f"## Tensor fusion ({FUSION_TENSORS} tensors of {report.format_bytes(FUSION_BYTES)}, allreduce sum)\n\n"
         + fusion_table(records),
         "## Agreement check and debug mode (hpdl-mpi allreduce; the check runs every "
@@ -706,6 +737,7 @@ def worker(options: Options) -> int:
         print(f"hpdl bench comm: {mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
     # An exception here reaches hpdl's excepthook, which aborts every rank: no finalize on a broken job.
     records = measure_ops(bench)
+    records += measure_loops(bench)
     records += measure_copy(bench)
     records += measure_fusion(bench)
     records += measure_debug(bench)

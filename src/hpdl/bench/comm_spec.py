@@ -34,7 +34,12 @@ TARGET_SMALL_UP_TO = 16 * KIB
 TARGET_FUSION = 5.0
 TARGET_FUSION_VS_FLAT = 1.5
 TARGET_SHM_64MB = 3.0
-TARGET_SHM_FROM_1MB = 1.5
+TARGET_SHM_SPEEDUP = 1.5
+TARGET_SHM_SPEEDUP_FROM = 4 * MIB
+LOOP_CALLS = 100
+"""Back-to-back calls per repetition in the loop section (OSU-style: one barrier, then the calls)."""
+LOOP_UP_TO = 64 * KIB
+"""Largest message of the loop section: above it a call's own cost no longer matters."""
 
 TIMING = (
     "columns in a new random order every repetition (the same on every rank); "
