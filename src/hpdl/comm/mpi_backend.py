@@ -333,8 +333,7 @@ class MpiCommunicator(Communicator):
                             agreement.check(self, seq)
                     request = self._ireduce_scatter([_memory(tensor), spec[0]], [_memory(out), spec[0]], spec[1])
                     if async_op:
-                        result = out
-                        average = (lambda: result.div_(size)) if op == "avg" else None
+                        average = (lambda: out.div_(size)) if op == "avg" else None
                         work = Work(self, "reduce_scatter", seq, request.Test, average, keep=(tensor, out))
                         return work.returns(out)
                     try:
