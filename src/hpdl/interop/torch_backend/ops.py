@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.base import Communicator
+from hpdl.comm.base import Communicator, is_block_of
 from hpdl.comm.work import completed
 
 __all__ = ["reduce_op"]
@@ -216,7 +216,7 @@ def all_gather_single(
     flat_out, back = _out_buffer(output)
     source = _flat_input(input)
     # The input is often this rank's block of the output (FSDP's in-place gather): hpdl gathers in place then.
-    if _overlaps(source, flat_out) and source.data_ptr() != flat_out.data_ptr() + comm.rank * n * input.element_size():
+    if _overlaps(source, flat_out) and not is_block_of(source, flat_out, comm.rank * n):
         source = source.clone()
     work = comm.allgather(source, sizes=[n] * comm.size, out=flat_out, async_op=True)
     return [work], back
