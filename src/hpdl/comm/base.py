@@ -402,10 +402,8 @@ class Communicator(ABC):
         if block_at is not None and is_block_of(like, target, block_at):
             return target
         if target.data_ptr() == like.data_ptr() and like.numel():
-            raise ValueError(
-                f"{op}: out must not share memory with the input"
-                + (" (except an allgather's input that is exactly this rank's block of out)" if block_at else "")
-            )
+            allowed = "" if block_at is None else " (but an allgather's input may be exactly this rank's block of out)"
+            raise ValueError(f"{op}: out must not share memory with the input{allowed}")
         return target
 
     def _check_open(self, op: str) -> None:
