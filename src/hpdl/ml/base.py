@@ -81,6 +81,9 @@ class Shards(ABC):
     def distributed(self) -> bool:
         return True
 
+    holds_blocks = False
+    """True where the blocks are this process's own arrays, so state kept beside them lasts across calls."""
+
     @abstractmethod
     def reduce(self, fn: BlockFn, *args: Any) -> list[np.ndarray]:
         """Sum of `fn(block, meta, *args)` over blocks (each result a tuple of arrays or numbers)."""
@@ -114,6 +117,7 @@ class LocalShards(Shards):
     """One process holds everything: one block."""
 
     block: Block
+    holds_blocks = True
 
     def __post_init__(self) -> None:
         X = self.block[0]
@@ -140,6 +144,8 @@ class LocalShards(Shards):
 
 class SpmdShards(Shards):
     """Each rank of `comm` holds one block; reductions are one allreduce of the packed partial results."""
+
+    holds_blocks = True
 
     def __init__(self, block: Block, comm: Any, sizes: list[int]):
         self.block = block

@@ -9,9 +9,19 @@ a cache entry that no other process could use.
 
 from __future__ import annotations
 
+import math
+
 from numba import njit
 
-__all__ = ["argmin_columns", "lloyd_step", "assign_step", "topk_insert"]
+__all__ = [
+    "argmin_columns",
+    "lloyd_step",
+    "assign_step",
+    "topk_insert",
+    "bounds_check",
+    "bounds_tighten",
+    "bounds_reassign",
+]
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -90,3 +100,110 @@ def topk_insert(D, col0, best_d, best_i):  # type: ignore[no-untyped-def]
                 best_d[q, p] = v
                 best_i[q, p] = col0 + j
                 threshold = best_d[q, k - 1]
+
+
+@njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
+def _exact_sq(X, i, C, a):  # type: ignore[no-untyped-def]
+    """||X[i] - C[a]||^2 in float64 from the differences (no cancellation, unlike the product form).
+
+    Reassociation lets the sum vectorise; in float64 its rounding is far below the data's.
+    """
+    total = 0.0
+    for f in range(X.shape[1]):
+        diff = X[i, f] - C[a, f]
+        total += diff * diff
+    return total
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def bounds_check(lab, upper, lower, moves, top, second, top_at, half, todo):  # type: ignore[no-untyped-def]
+    """Hamerly's test per row after the centres moved; the rows it cannot clear go to `todo` (their count returned).
+
+    The upper bound grows by its own centre's move, the lower bound shrinks by
+    the largest move of any other centre; a row whose upper bound stays below
+    max(lower, half the gap to its centre's nearest neighbour) keeps its
+    label. Only the bounds are read here, not the rows.
+    """
+    count = 0
+    for i in range(lab.shape[0]):
+        a = lab[i]
+        u = upper[i] + moves[a]
+        upper[i] = u
+        low = lower[i] - (second if a == top_at else top)
+        lower[i] = low
+        if u > max(low, half[a]):
+            todo[count] = i
+            count += 1
+    return count
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def bounds_tighten(X, xsq, rows, lab, upper, lower, half, C, picked, picked_sq, picked_at):  # type: ignore[no-untyped-def]
+    """The exact distance to its own centre for each of `rows`; those still not cleared are copied out (count returned).
+
+    `picked`, `picked_sq` and `picked_at` receive the rows, their squared
+    norms and their indices, ready for the distance product.
+    """
+    kept = 0
+    d = X.shape[1]
+    for t in range(rows.shape[0]):
+        i = rows[t]
+        a = lab[i]
+        u = math.sqrt(_exact_sq(X, i, C, a))
+        upper[i] = u
+        if u > max(lower[i], half[a]):
+            for f in range(d):
+                picked[kept, f] = X[i, f]
+            picked_sq[kept] = xsq[i]
+            picked_at[kept] = i
+            kept += 1
+    return kept
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def bounds_reassign(DT, xsq, rows, X, w, use_w, err, cmax, lab, upper, lower, sums, counts, b1, b2, jl):  # type: ignore[no-untyped-def]
+    """Labels and bounds of the rows `rows` from their distance block (k x m, ||c||^2 - 2 c.x), and the sums' update.
+
+    Both bounds allow for the product's rounding (`err` x (||x||^2 + `cmax`,
+    the largest ||c||^2)): the upper is raised by it, the lower lowered, so
+    rounding never lets a row skip a test it should take. A row whose label
+    changes moves its (weighted) values from its old centre's sums to the
+    new one's; a row without a label yet (-1) only adds.
+    """
+    k, m = DT.shape
+    d = X.shape[1]
+    for t in range(m):
+        b1[t] = DT[0, t]
+        b2[t] = math.inf
+        jl[t] = 0
+    for j in range(1, k):
+        for t in range(m):
+            v = DT[j, t]
+            best = b1[t]
+            less = v < best
+            b2[t] = best if less else min(b2[t], v)
+            b1[t] = v if less else best
+            jl[t] = j if less else jl[t]
+    for t in range(m):
+        i = rows[t]
+        a = jl[t]
+        slack = err * (xsq[t] + cmax)
+        near = b1[t] + xsq[t] + slack
+        upper[i] = math.sqrt(near) if near > 0 else 0.0
+        far = b2[t] + xsq[t] - slack
+        lower[i] = math.sqrt(far) if far > 0 else 0.0
+        old = lab[i]
+        if a != old:
+            lab[i] = a
+            wi = w[i] if use_w else 1.0
+            counts[a] += wi
+            if old >= 0:
+                counts[old] -= wi
+                for f in range(d):
+                    value = wi * X[i, f]
+                    sums[a, f] += value
+                    sums[old, f] -= value
+            else:
+                for f in range(d):
+                    sums[a, f] += wi * X[i, f]
+    return m

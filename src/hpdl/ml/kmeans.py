@@ -1,8 +1,9 @@
 """K-Means (Lloyd) with scikit-learn's API, in one process, SPMD on ranks, or on a Dask cluster.
 
 Each iteration is one pass over every block (chunked matrix-product
-distances, argmin, per-centre sums) and one reduction of (sums, weights,
-inertia): one allreduce on MPI. The algorithm is scikit-learn's
+distances, argmin, per-centre sums) and one reduction of (sums, weights):
+one allreduce on MPI. Blocks this process holds skip the rows whose label
+Hamerly's bounds prove unchanged (`hpdl.ml.bounds`). The algorithm is scikit-learn's
 `_kmeans_single_lloyd`: data centred on its mean first, convergence when the
 squared centre shift is at most `tol` x the mean feature variance, empty
 clusters re-seeded with the points farthest from their centre, and the
@@ -25,7 +26,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_array
 
-from hpdl.ml import kernels
+from hpdl.ml import bounds, kernels
 from hpdl.ml.base import Shards
 from hpdl.ml.estimator import DistributedMixin, weights_check
 
@@ -53,7 +54,20 @@ def _sq_total(block: tuple, meta: Any) -> tuple:
 
 
 def _lloyd_block(block: tuple, meta: Any, centres: np.ndarray) -> tuple:
-    return kernels.lloyd_partial(block[0], block[1], block[2], centres)
+    sums, counts, _ = kernels.lloyd_partial(block[0], block[1], block[2], centres)
+    return sums, counts
+
+
+def _with_bounds(block: tuple, meta: Any, centres: np.ndarray) -> tuple:
+    """The block with Hamerly bounds beside it, or the block alone where they cannot serve it."""
+    X, xsq, w = block
+    return (X, xsq, w, bounds.State(X.shape[0], *centres.shape)) if bounds.usable(X, xsq, w) else block
+
+
+def _bounded_block(block: tuple, meta: Any, centres: np.ndarray, moves: Optional[np.ndarray]) -> tuple:
+    if len(block) == 3:
+        return _lloyd_block(block, meta, centres)
+    return bounds.partial(block[0], block[1], block[2], centres, moves, block[3])
 
 
 def _labels_block(block: tuple, meta: Any, centres: np.ndarray) -> np.ndarray:
@@ -200,17 +214,28 @@ def _relocate_empty(shards: Shards, centres: np.ndarray, sums: np.ndarray, count
 
 
 def _lloyd(shards: Shards, centres: np.ndarray, max_iter: int, tol: float) -> tuple[np.ndarray, int]:
-    """Lloyd iterations until the squared centre shift is <= tol; returns (centres, iterations)."""
+    """Lloyd iterations until the squared centre shift is <= tol; returns (centres, iterations).
+
+    Blocks this process holds carry Hamerly bounds (`hpdl.ml.bounds`) so that
+    most rows skip the distance computation once the centres settle; Dask
+    blocks take the plain step.
+    """
     dtype = shards.dtype
+    live = shards.transform(_with_bounds, centres) if shards.holds_blocks else None
+    moves: Optional[np.ndarray] = None
     it = 0
     for it in range(max_iter):  # noqa: B007 - the count after the loop is n_iter_
-        sums, counts, _ = shards.reduce(_lloyd_block, centres)
+        if live is None:
+            sums, counts = shards.reduce(_lloyd_block, centres)
+        else:
+            sums, counts = live.reduce(_bounded_block, centres, moves)
         if (counts == 0).any():
             _relocate_empty(shards, centres, sums, counts)
         positive = counts > 0
         sums[positive] /= counts[positive, None]
         new = sums.astype(dtype)
         shift = float(((new.astype(np.float64) - centres) ** 2).sum())
+        moves = bounds.moves_between(centres, new)
         centres = new
         if shift <= tol:
             break
