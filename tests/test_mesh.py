@@ -144,7 +144,7 @@ def mesh_coordinates(comm) -> list:
             {
                 "coords": c,
                 "rank_of": mesh.rank_of(**c),
-                "subs": {a: (getattr(mesh, a).rank, getattr(mesh, a).size) for a in ("dp", "pp", "tp")},
+                "subs": {a: (getattr(mesh, a).rank, getattr(mesh, a).size) for a in ("dp", "pp", "tp", "sp")},
                 # the ranks of each group, seen through an allgather of world ranks over it
                 "tp_group": mesh.tp.allgather(torch.tensor([comm.rank])).tolist(),
                 "pp_group": mesh.pp.allgather(torch.tensor([comm.rank])).tolist(),
@@ -200,14 +200,14 @@ def test_mesh_places_tp_innermost_and_pp_outermost(results):
     out = results[0]
     for rank, per_rank in enumerate(out):
         default, dp_inner, pp_inner = per_rank["coords"]
-        # default (tp, dp, pp): rank = tp + 2 * (dp + 1 * pp) with dp=1 on 4 ranks
-        assert default["coords"] == {"tp": rank % 2, "dp": 0, "pp": rank // 2}
+        # default (tp, sp, dp, pp): rank = tp + 2 * (sp + 1 * (dp + 1 * pp)) with sp=dp=1 on 4 ranks
+        assert default["coords"] == {"tp": rank % 2, "sp": 0, "dp": 0, "pp": rank // 2}
         assert default["tp_group"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert default["pp_group"] == [rank % 2, rank % 2 + 2]
         assert pp_inner["coords"]["pp"] == rank % 2 and pp_inner["pp_group"] == [rank - rank % 2, rank - rank % 2 + 1]
         for layout in per_rank["coords"]:
             assert layout["rank_of"] == rank
-            assert {a: s for a, (_, s) in layout["subs"].items()} == {"dp": 1, "pp": 2, "tp": 2}
+            assert {a: s for a, (_, s) in layout["subs"].items()} == {"dp": 1, "pp": 2, "tp": 2, "sp": 1}
             assert {a: r for a, (r, _) in layout["subs"].items()} == layout["coords"]
 
 

@@ -33,8 +33,8 @@ def run_lab(comm, argv: list[str]) -> list[float]:
 def test_lab_plan_file_is_valid_for_four_ranks_and_rejected_for_one():
     plan = Plan.from_file(os.path.join(EXAMPLES, "hybrid_plan.toml"))
     model = GPT(GPTConfig(vocab_size=CharCodec().vocab_size, block_size=16, n_layer=2, n_embd=32))
-    assert plan.validate(4, model).degrees() == {"dp": 1, "pp": 2, "tp": 2}
-    assert plan.validate(8, model).degrees() == {"dp": 2, "pp": 2, "tp": 2}
+    assert plan.validate(4, model).degrees() == {"dp": 1, "pp": 2, "tp": 2, "sp": 1}
+    assert plan.validate(8, model).degrees() == {"dp": 2, "pp": 2, "tp": 2, "sp": 1}
     with pytest.raises(PlanError, match=r"pp\(2\) \* tp\(2\) = 4 does not divide world size 1"):
         plan.validate(1, model)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpdl.ml import kernels
+from hpdl.ml import bounds, kernels
 
 
 @pytest.fixture
@@ -79,8 +79,9 @@ def test_a_new_process_loads_the_compiled_loops_from_numba_cache():
     import sys
 
     kernels.warm_up()  # this process: compiles, or loads what an earlier one wrote
+    bounds.warm_up()
     probe = (
-        "import json; from hpdl.ml import kernels, fused_loops as f; kernels.warm_up(); "
+        "import json; from hpdl.ml import bounds, kernels, fused_loops as f; kernels.warm_up(); bounds.warm_up(); "
         "fns = (f.lloyd_step, f.assign_step, f.topk_insert, f.bounds_check, f.bounds_tighten, f.bounds_reassign); "
         "print(json.dumps([sum(g.stats.cache_hits.values()) for g in fns] + "
         "[sum(g.stats.cache_misses.values()) for g in fns]))"

@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from hpdl.parallel import Plan
 from hpdl.plan import collectives as coll
 from hpdl.plan.calibrate import fit_alpha_beta
 from hpdl.plan.cluster import GB, Cluster, ClusterError, Link, load_cluster_file
@@ -229,7 +230,7 @@ def test_plan_file_round_trip_through_hpdl_parallel_plan(tmp_path):
     assert loaded == plan
     c = result.best.candidate
     assert (loaded.dp, loaded.pp, loaded.tp, loaded.zero_stage) == (c.dp, c.pp, c.tp, c.zero)
-    assert loaded.validate(world_size=16).degrees() == {"dp": c.dp, "pp": c.pp, "tp": c.tp}
+    assert loaded.validate(world_size=16).degrees() == {"dp": c.dp, "pp": c.pp, "tp": c.tp, "sp": 1}
 
 
 def test_a_1024_device_search_takes_seconds():
@@ -375,12 +376,10 @@ def test_spatial_plans_split_activations_and_compute_and_win_when_a_sample_does_
     assert not any(x.fits for x in result.estimates if x.candidate.sp == 1)  # pipelines too: a stage holds too much
     assert {x.candidate.sp for x in result.estimates} == {1, 4}  # batch 1: dp must be 1, so sp is 1 (pp4) or 4
     data = result.to_dict()
-    assert data["plan"] is None and data["spatial"] == {"dp": 1, "sp": 4} and data["best"]["sp"] == 4
+    assert data["plan"]["sp"] == 4 and data["spatial"] == {"dp": 1, "sp": 4} and data["best"]["sp"] == 4
     assert "x sp4 (spatial" in why(result)
-    with pytest.raises(ValueError, match=r"SpatialParallel\(model, world.split\(world.rank // 4\)"):
-        result.best_plan()
-    with pytest.raises(ValueError, match="plan files and build\\(\\) do not take"):
-        write_plan(result, str(tmp_path / "plan.toml"))
+    written = Plan.from_file(write_plan(result, str(tmp_path / "plan.toml")))  # build() takes it as it is
+    assert written == result.best_plan() and written.validate(4).degrees() == {"dp": 1, "pp": 1, "tp": 1, "sp": 4}
 
 
 def test_spatial_candidates_stay_where_spatial_parallel_runs():

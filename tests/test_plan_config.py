@@ -40,7 +40,9 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path):
     path.write_text(json.dumps({"dp": 2, "zero": 2, "microbatches": 4}))
     with pytest.raises(PlanError) as err:
         Plan.from_file(str(path))
-    assert "'zero', 'microbatches'" in str(err.value) and "valid keys: dp, pp, tp, zero_stage" in str(err.value)
+    assert "'zero', 'microbatches'" in str(err.value) and "valid keys: dp, pp, tp, sp, spatial_dim, zero_stage" in str(
+        err.value
+    )
     (tmp_path / "bad.toml").write_text("dp = [")
     with pytest.raises(PlanError, match="not valid TOML"):
         Plan.from_file(str(tmp_path / "bad.toml"))
@@ -64,9 +66,14 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path):
         ({"compression": "fp16", "zero_stage": 2}, r"compression='fp16' applies to DataParallel"),
         ({"compression": "int8"}, r"compression='int8' must be one of"),
         ({"tp_plan": {"*.fc": "diagonal"}}, r"tp_plan\['\*.fc'\] = 'diagonal'"),
-        ({"placement": ("tp", "dp")}, r"placement=\['tp', 'dp'\] must order the three axes"),
+        ({"placement": ("tp", "dp")}, r"placement=\['tp', 'dp'\] must order the axes"),
         ({"bucket_mb": 0}, r"bucket_mb=0 must be a positive number"),
         ({"pp": 2, "balance": [1, 1, 1]}, r"balance=\[1, 1, 1\] lists 3 stages but pp=2"),
+        ({"sp": 2, "pp": 2, "micro_batches": 2}, r"sp=2 \(spatial\) combines with dp only; got pp=2.*wrap_stage"),
+        ({"sp": 2, "tp": 2}, r"sp=2 \(spatial\) combines with dp only; got tp=2"),
+        ({"sp": 2, "zero_stage": 1}, r"combines with dp only; got zero_stage=1"),
+        ({"sp": -1, "dp": -1}, r"at most one degree may be -1"),
+        ({"spatial_dim": 1}, r"spatial_dim=1 must be 2 or more"),
     ],
 )
 def test_impossible_fields_are_rejected_with_the_reason(fields, message):
@@ -74,8 +81,20 @@ def test_impossible_fields_are_rejected_with_the_reason(fields, message):
         Plan(**fields)
 
 
+def test_spatial_degree_round_trips_and_old_placements_gain_it(tmp_path):
+    plan = Plan(dp=2, sp=-1, spatial_dim=3)
+    for name in ("plan.toml", "plan.json"):
+        assert Plan.from_file(plan.to_file(str(tmp_path / name))) == plan
+    assert plan.validate(8).degrees() == {"dp": 2, "pp": 1, "tp": 1, "sp": 4}
+    assert "spatial   each sample split in 4 slabs along dim 3" in plan.validate(8).describe()
+    (tmp_path / "old.toml").write_text('dp = 2\nplacement = ["dp", "tp", "pp"]\n')  # written before sp existed
+    assert Plan.from_file(str(tmp_path / "old.toml")).placement == ("dp", "tp", "sp", "pp")
+    with pytest.raises(PlanError, match=r"dp\(2\) \* pp\(1\) \* tp\(1\) \* sp\(3\) != world size 8"):
+        Plan(dp=2, sp=3).validate(8)
+
+
 def test_validate_infers_and_checks_against_the_world_and_the_model():
-    assert Plan(dp=-1, pp=2, tp=2, micro_batches=2).validate(8).degrees() == {"dp": 2, "pp": 2, "tp": 2}
+    assert Plan(dp=-1, pp=2, tp=2, micro_batches=2).validate(8).degrees() == {"dp": 2, "pp": 2, "tp": 2, "sp": 1}
     with pytest.raises(PlanError, match=r"dp\(2\) \* pp\(2\) \* tp\(3\) != world size 8"):
         Plan(dp=2, pp=2, tp=3).validate(8)
     with pytest.raises(
@@ -110,11 +129,11 @@ def test_mesh_errors_print_every_factor(ranks):
     with pytest.raises(ValueError, match=r"placement"):
         Mesh(comm, placement=("dp", "pp"))
     mesh = Mesh(comm)
-    assert mesh.shape == {"dp": 1, "pp": 1, "tp": 1} and "rank 0: tp=0 dp=0 pp=0" in mesh.describe()
+    assert mesh.shape == {"dp": 1, "pp": 1, "tp": 1, "sp": 1} and "rank 0: tp=0 sp=0 dp=0 pp=0" in mesh.describe()
     gpt = GPT(GPTConfig(vocab_size=32))
     with pytest.raises(PlanError, match=r"dp\(1\) \* pp\(1\) \* tp\(2\) != world size 1"):
         build(gpt, mesh, Plan(dp=1, tp=2))
-    with pytest.raises(PlanError, match=r"the plan places the axes \['dp', 'tp', 'pp'\] but the mesh"):
+    with pytest.raises(PlanError, match=r"the plan places the axes \['dp', 'tp', 'sp', 'pp'\] but the mesh"):
         build(gpt, mesh, Plan(dp=1, placement=("dp", "tp", "pp")))
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpdl.checkpoint
-from hpdl.parallel import Pipeline
+from hpdl.parallel import Mesh, Pipeline, Plan, build
 from hpdl.parallel.spatial import ChannelParallelConv, FilterParallelConv, SpatialParallel, shard
 from hpdl.parallel.tensor import full_state_dict
 from spatial_models import make_data, make_net, train
@@ -84,6 +84,36 @@ def test_sample_and_spatial_parallel_dp2_sp2_equals_one_process_on_the_whole_bat
     x, y = make_data4((23, 7))
     want = train(make_net(2, batch_norm=False), x, y, "sgd")
     for rank, state in enumerate(ranks("mpi", 4).run(dp_sp_train, timeout=120)):
+        assert_state(state, want["state"], f"rank {rank}")
+
+
+def dp_sp_from_a_plan(comm):
+    """The same dp2 x sp2 training, built by hpdl.parallel.build from a plan (sp innermost: {0,1} and {2,3})."""
+    plan = Plan(dp=2, sp=2)
+    mesh = Mesh.from_plan(comm, plan)
+    model, _ = build(make_net(2, batch_norm=False), mesh, plan)
+    dp, sp = mesh.coordinates()["dp"], mesh.sp
+    x, y = make_data4((23, 7))
+    got = train(model, x[:, 2 * dp : 2 * dp + 2], y[:, 2 * dp : 2 * dp + 2], "sgd", prepare=lambda t: shard(t, sp, 2))
+    groups = {
+        "sp": mesh.sp.allgather(torch.tensor([comm.rank])).tolist(),
+        "dp": mesh.dp.allgather(torch.tensor([comm.rank])).tolist(),
+        "dp x sp": mesh.group("sp", "dp").allgather(torch.tensor([comm.rank])).tolist(),
+    }
+    mesh.close()
+    return {k.removeprefix("module."): v for k, v in got["state"].items()}, groups, type(model).__name__
+
+
+def test_build_of_a_dp2_sp2_plan_equals_one_process_on_the_whole_batch(ranks):
+    x, y = make_data4((23, 7))
+    want = train(make_net(2, batch_norm=False), x, y, "sgd")
+    for rank, (state, groups, kind) in enumerate(ranks("mpi", 4).run(dp_sp_from_a_plan, timeout=120)):
+        assert kind == "SpatialParallel"
+        assert groups == {
+            "sp": [rank - rank % 2, rank - rank % 2 + 1],
+            "dp": [rank % 2, rank % 2 + 2],
+            "dp x sp": [0, 1, 2, 3],
+        }
         assert_state(state, want["state"], f"rank {rank}")
 
 

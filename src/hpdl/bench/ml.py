@@ -268,10 +268,11 @@ def mpi_worker(spec_path: str) -> int:
     with open(spec_path) as handle:
         spec = json.load(handle)
     task, o = spec["task"], spec["options"]
-    from hpdl.ml import kernels
+    from hpdl.ml import bounds, kernels
 
     comm = hpdl.init("mpi", timeout=600.0)
     kernels.warm_up()  # JIT compilation (or numba's cache) is set-up, as the imports are
+    bounds.warm_up()
     n = _sizes(task, o)
     lo, hi = [(int(a[0]), int(a[-1]) + 1) for a in np.array_split(np.arange(n), comm.size)][comm.rank]
     X = _rows(task, o, lo, hi)
@@ -410,9 +411,10 @@ def _warm_worker() -> None:
             importlib.import_module(name)
         except ImportError:  # dask-ml's own import error is reported when its estimator runs
             pass
-    from hpdl.ml import kernels
+    from hpdl.ml import bounds, kernels
 
     kernels.warm_up()
+    bounds.warm_up()
 
 
 @contextlib.contextmanager

@@ -138,13 +138,6 @@ def write_plan(result: Any, path: str) -> str:
             "--out: the best plan runs schedule='gems', which plan files and build() do not take; build it with "
             "Pipeline(model, pp, schedule='gems', data_parallel=dp), or search without gems"
         )
-    if result.best.candidate.sp > 1:
-        c = result.best.candidate
-        raise ValueError(
-            f"--out: the best plan splits each sample over sp={c.sp} ranks ({c.label()}), which plan files and "
-            f"build() do not take; run it as SpatialParallel(model, world.split(world.rank // {c.sp}), "
-            "grad_comm=world) (docs/spatial.md, 'dp x sp')"
-        )
     return str(result.best_plan().to_file(path))
 
 

@@ -111,13 +111,21 @@ def partial(
     return state.sums.copy(), state.counts.copy()
 
 
-def warm_up(dtype: Any, w: Optional[np.ndarray]) -> None:
-    """Run each loop once on two rows: the first pass, then a pass where every row is doubtful but tightened."""
-    two = np.array([[0.0, 0.0], [1.0, 1.0]], dtype=dtype)
-    xsq = kernels.row_sq_norms(two)
-    state = State(2, 2, 2)
-    partial(two, xsq, w, two, None, state)
-    partial(two, xsq, w, two, np.full(2, 10.0), state, full_pass_share=1.0)
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the bounds' loops, as `kernels.warm_up` does the others'.
+
+    Each runs once on two rows, float32 and float64, with and without
+    weights: the first pass, then a pass where every row is doubtful but
+    its exact distance clears it.
+    """
+    for dtype in (np.float32, np.float64):
+        two = np.array([[0.0, 0.0], [1.0, 1.0]], dtype=dtype)
+        for w in (None, np.ones(2)):
+            if not usable(two, None, w):
+                return
+            state = State(2, 2, 2)
+            partial(two, kernels.row_sq_norms(two), w, two, None, state)
+            partial(two, kernels.row_sq_norms(two), w, two, np.full(2, 10.0), state, full_pass_share=1.0)
 
 
 def _assign(

@@ -64,14 +64,10 @@ def warm_up() -> None:
 
     A benchmark calls it before timing, so that JIT compilation is set-up time.
     """
-    from hpdl.ml import bounds  # it imports this module
-
     for dtype in (np.float32, np.float64):
         X = np.ones((2, 2), dtype=dtype)
         for w in (None, np.ones(2)):
             lloyd_partial(X, row_sq_norms(X), w, X[:1].copy())
-            if bounds.usable(X, None, w):
-                bounds.warm_up(dtype, w)
         assign(X, None, X[:1].copy())
         knn_block(X, row_sq_norms(X), X, 1, 0, "euclidean")
 

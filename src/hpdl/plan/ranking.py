@@ -125,9 +125,7 @@ class SearchResult:
             "feasible": len(self.feasible),
             "elapsed_s": self.elapsed_s,
             "best": best.to_dict() if best else None,
-            "plan": plan_fields(best.candidate, self.workload, best.stage_layers)
-            if best and best.candidate.sp == 1
-            else None,
+            "plan": plan_fields(best.candidate, self.workload, best.stage_layers) if best else None,
             "spatial": {"dp": best.candidate.dp, "sp": best.candidate.sp} if best and best.candidate.sp > 1 else None,
             "ranking": [e.to_dict() for e in self.feasible[:top]],
             "smallest_memory": [e.to_dict() for e in sorted(self.estimates, key=lambda e: e.memory_bytes)[:3]],
@@ -141,11 +139,6 @@ def plan_fields(c: Candidate, workload: Workload, balance: Optional[Sequence[int
     `balance` (layers per stage, as the cost model split them) is written
     with a pipeline, so that the run uses the split that was predicted.
     """
-    if c.sp > 1:
-        raise ValueError(
-            f"{c.label()}: hpdl.parallel.Plan takes no spatial degree yet; run it as SpatialParallel(model, "
-            f"world.split(world.rank // {c.sp}), grad_comm=world) (docs/spatial.md, 'dp x sp')"
-        )
     fields: dict[str, Any] = {
         "dp": c.dp,
         "pp": c.pp,
@@ -160,6 +153,8 @@ def plan_fields(c: Candidate, workload: Workload, balance: Optional[Sequence[int
     }
     if c.pp > 1 and balance:
         fields["balance"] = [int(n) for n in balance]
+    if c.sp > 1:  # SpatialParallel over the mesh's sp axis, each sample's height split (the profile's spatial dim)
+        fields["sp"] = c.sp
     return fields
 
 

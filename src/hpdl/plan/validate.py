@@ -258,7 +258,7 @@ def predictions(options: Options, cluster: Any) -> tuple[list[dict[str, Any]], d
                 schedules=options.schedules,
                 recompute=options.recompute,
                 measured=True,
-                spatial=False,  # validation runs plans through hpdl.parallel.build, which takes no spatial degree
+                spatial=False,  # the validation models (an MLP, GPT) have no layer that runs on slabs
             )
             for e in result.feasible:
                 rows.append(

@@ -4,7 +4,9 @@
     model, optimizer = hpdl.parallel.build(model, mesh, plan)   # tp, then pipeline, then dp / ZeRO
 
 It sits above every strategy package and composes them in torchtitan's
-order: tensor parallelism, the pipeline, then data parallelism or ZeRO.
+order: tensor parallelism, the pipeline, then data parallelism or ZeRO. A
+spatial plan (sp > 1, with dp only) wraps the model in `SpatialParallel`
+over `mesh.sp`, its gradients averaged over dp x sp.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 
 from hpdl.parallel.data import DataParallel
 from hpdl.parallel.mesh.mesh import Mesh
-from hpdl.parallel.mesh.plan_config import Plan, PlanError
+from hpdl.parallel.mesh.plan_config import DEGREES, Plan, PlanError
 from hpdl.parallel.mesh.state import LAYER_NAMES
 from hpdl.parallel.pipe import Pipeline
 from hpdl.parallel.tensor import parallelize
@@ -44,8 +46,12 @@ def build(
     its tp slices, its ZeRO shard).
 
     Without a pipeline the result is a module: `loss_fn(model(x), y).backward();
-    optimizer.step()`. With one it is a `Pipeline`: `loss = pipe.step(x, y,
-    loss_fn); optimizer.step()`. When the plan splits the output layer's
+    optimizer.step()`. With sp > 1 it is a `SpatialParallel` over `mesh.sp`
+    whose gradients are averaged over `mesh.group("dp", "sp")`: each dp
+    replica takes its slice of the batch and each rank of its spatial group
+    passes its slab, `hpdl.parallel.spatial.shard(x, mesh.sp, plan.spatial_dim)`.
+    With a pipeline it is a `Pipeline`: `loss = pipe.step(x, y, loss_fn);
+    optimizer.step()`. When the plan splits the output layer's
     vocabulary (GPT's tp_plan), compute the loss with
     `hpdl.parallel.tensor.vocab_parallel_cross_entropy(logits, y, mesh.tp)`.
     Collective over the mesh's world.
@@ -56,17 +62,22 @@ def build(
         raise TypeError(f"build: mesh must be an hpdl.parallel.Mesh, got {type(mesh).__name__}")
     if plan is None:
         shape = mesh.shape
-        plan = Plan(dp=shape["dp"], pp=shape["pp"], tp=shape["tp"], micro_batches=shape["pp"], placement=mesh.placement)
+        plan = Plan(
+            dp=shape["dp"], pp=shape["pp"], tp=shape["tp"], sp=shape["sp"], micro_batches=shape["pp"],
+            placement=mesh.placement,
+        )  # fmt: skip
     plan = plan.validate(mesh.size, model)
     if plan.degrees() != mesh.shape:
-        have = " x ".join(f"{a}={mesh.shape[a]}" for a in ("dp", "pp", "tp"))
-        want = " x ".join(f"{a}={getattr(plan, a)}" for a in ("dp", "pp", "tp"))
+        have = " x ".join(f"{a}={mesh.shape[a]}" for a in DEGREES)
+        want = " x ".join(f"{a}={getattr(plan, a)}" for a in DEGREES)
         raise PlanError(f"build: the plan asks for {want} but the mesh is {have}; build the mesh with Mesh.from_plan")
     if tuple(plan.placement) != tuple(mesh.placement):
         raise PlanError(
             f"build: the plan places the axes {list(plan.placement)} but the mesh {list(mesh.placement)}; "
             "build the mesh with Mesh.from_plan"
         )
+    if plan.sp > 1:
+        return _build_spatial(model, mesh, plan, optimizer, optimizer_options)
     if mesh.tp.size > 1:
         parallelize(model, mesh.tp, plan.tp_plan_for(model))
     if plan.pp > 1:
@@ -86,6 +97,21 @@ def build(
     wrapped: nn.Module = model
     if mesh.dp.size > 1:
         wrapped = DataParallel(model, mesh.dp, bucket_mb=plan.bucket_mb, compression=plan.compression)
+    return wrapped, optimizer(wrapped.parameters(), **optimizer_options)
+
+
+def _build_spatial(
+    model: nn.Module,
+    mesh: Mesh,
+    plan: Plan,
+    optimizer: Callable[..., torch.optim.Optimizer],
+    optimizer_options: dict[str, Any],
+) -> tuple[Any, torch.optim.Optimizer]:
+    """Sample + spatial parallelism: slabs over mesh.sp; gradients averaged over dp x sp equal one process's."""
+    from hpdl.parallel.spatial import SpatialParallel  # lazy: only spatial plans load it
+
+    grads = mesh.group("dp", "sp")
+    wrapped = SpatialParallel(model, mesh.sp, plan.spatial_dim, grad_comm=grads, bucket_mb=plan.bucket_mb)
     return wrapped, optimizer(wrapped.parameters(), **optimizer_options)
 
 

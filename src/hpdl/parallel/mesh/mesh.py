@@ -1,16 +1,18 @@
-"""`Mesh`: one world split into dp x pp x tp sub-communicators (`build`, in `compose`, applies a plan on it).
+"""`Mesh`: one world split into dp x pp x tp x sp sub-communicators (`build`, in `compose`, applies a plan on it).
 
     mesh = hpdl.parallel.Mesh(comm, dp=2, pp=2, tp=1)          # -1 infers one degree
-    mesh.dp, mesh.pp, mesh.tp                                   # sub-communicators (Communicator)
+    mesh.dp, mesh.pp, mesh.tp, mesh.sp                          # sub-communicators (Communicator)
     model, optimizer = hpdl.parallel.build(model, mesh, plan)   # tp, then pipeline, then dp / ZeRO
 
 Rank placement: the axes are laid out from innermost (consecutive world
-ranks) to outermost, by default tp, dp, pp: a tensor-parallel group is a
-run of consecutive ranks, which launchers put on one node (tp exchanges
-activations in every layer, so it needs the fastest links); pipeline stages
-are outermost, across nodes (they exchange one activation per micro-batch).
-`placement=("dp", "tp", "pp")` and the like override it. Every rank
-calls the constructor (it splits the communicator three times).
+ranks) to outermost, by default tp, sp, dp, pp: a tensor-parallel group is
+a run of consecutive ranks, which launchers put on one node (tp exchanges
+activations in every layer, so it needs the fastest links), and so is a
+spatial group (halos in every layer); pipeline stages are outermost, across
+nodes (they exchange one activation per micro-batch).
+`placement=("dp", "tp", "sp", "pp")` and the like override it (a placement
+of the other three axes gets "sp" right after "tp"). Every rank calls the
+constructor (it splits the communicator once per axis).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 from typing import Optional, Sequence
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.mesh.plan_config import AXES, Plan, PlanError, resolve_degrees
+from hpdl.parallel.mesh.plan_config import AXES, DEGREES, Plan, PlanError, full_placement, resolve_degrees
 
 __all__ = ["Mesh"]
 
@@ -28,12 +30,13 @@ log = logging.getLogger(__name__)
 
 
 class Mesh:
-    """The world as a dp x pp x tp grid; `dp`, `pp`, `tp` are this rank's sub-communicators along each axis.
+    """The world as a dp x pp x tp x sp grid; `dp`, `pp`, `tp`, `sp` are this rank's sub-communicators.
 
-    `mesh.dp` holds the ranks with this rank's pipeline stage and tp index
-    (they hold the same parameters and split the batch); `mesh.pp` the
-    ranks with this rank's dp and tp index (one per stage); `mesh.tp` the
-    ranks with this rank's dp index and stage (they split each layer).
+    Each holds the ranks that share this rank's coordinates on the other
+    axes: `mesh.dp` the replicas that split the batch, `mesh.pp` one rank per
+    pipeline stage, `mesh.tp` the ranks that split each layer's weights,
+    `mesh.sp` the ranks that split each sample's activations (spatial).
+    `mesh.group("dp", "sp")` is the ranks along several axes at once.
     """
 
     def __init__(
@@ -43,30 +46,53 @@ class Mesh:
         dp: int = -1,
         pp: int = 1,
         tp: int = 1,
+        sp: int = 1,
         placement: Sequence[str] = AXES,
     ):
         if not isinstance(comm, Communicator):
             raise TypeError(f"Mesh: comm must be an hpdl Communicator (hpdl.init()), got {type(comm).__name__}")
-        placement = tuple(placement)
+        placement = full_placement(placement)
         if sorted(placement) != sorted(AXES):
             raise ValueError(f"Mesh: placement={list(placement)} must order the axes {list(AXES)}, innermost first")
         self.world = comm
         self.placement = placement
         try:
-            self.shape: dict[str, int] = resolve_degrees(comm.size, dp, pp, tp)
+            self.shape: dict[str, int] = resolve_degrees(comm.size, dp, pp, tp, sp)
         except PlanError as exc:
             raise ValueError(f"Mesh: {exc}") from None
         self.coords = self._coordinates(comm.rank)
-        subs: dict[str, Communicator] = {}
-        for axis in ("dp", "pp", "tp"):  # the same order on every rank: split is collective
-            others = [a for a in AXES if a != axis]
-            color = self.coords[others[0]] * self.shape[others[1]] + self.coords[others[1]]
-            sub = comm.split(color, key=self.coords[axis])
-            if sub is None or sub.size != self.shape[axis] or sub.rank != self.coords[axis]:
-                raise RuntimeError(f"Mesh: the {axis} split of rank {comm.rank} gave {sub!r}")
-            subs[axis] = sub
-        self.dp, self.pp, self.tp = subs["dp"], subs["pp"], subs["tp"]
+        self._groups: dict[tuple[str, ...], Communicator] = {}
+        for axis in DEGREES:  # the same order on every rank: split is collective
+            self._groups[(axis,)] = self._split((axis,))
+        self.dp, self.pp, self.tp, self.sp = (self._groups[(a,)] for a in DEGREES)
         self._warn_if_tp_crosses_nodes()
+
+    def _split(self, axes: tuple[str, ...]) -> Communicator:
+        """The ranks that share this rank's coordinates on every axis but `axes`, ranked along them."""
+        color = key = 0
+        for axis in DEGREES:
+            if axis in axes:
+                key = key * self.shape[axis] + self.coords[axis]
+            else:
+                color = color * self.shape[axis] + self.coords[axis]
+        sub = self.world.split(color, key=key)
+        size = math.prod(self.shape[a] for a in axes)
+        if sub is None or sub.size != size or sub.rank != key:
+            raise RuntimeError(f"Mesh: the {' x '.join(axes)} split of rank {self.world.rank} gave {sub!r}")
+        return sub
+
+    def group(self, *axes: str) -> Communicator:
+        """The ranks along `axes` together (e.g. "dp", "sp": the gradient group of sample + spatial parallelism).
+
+        Collective over the world the first time a combination is asked for; kept after that.
+        """
+        unknown = [a for a in axes if a not in DEGREES]
+        if not axes or unknown or len(set(axes)) != len(axes):
+            raise ValueError(f"Mesh.group: axes {list(axes)} must be distinct names among {list(DEGREES)}")
+        chosen = tuple(a for a in DEGREES if a in axes)
+        if chosen not in self._groups:
+            self._groups[chosen] = self._split(chosen)
+        return self._groups[chosen]
 
     # ------------------------------------------------------------------ coordinates
     def _coordinates(self, rank: int) -> dict[str, int]:
@@ -77,12 +103,12 @@ class Mesh:
         return coords
 
     def coordinates(self, rank: Optional[int] = None) -> dict[str, int]:
-        """{"dp": i, "pp": j, "tp": k} of `rank` (default: this rank)."""
+        """{"tp": k, "sp": l, "dp": i, "pp": j} of `rank` (default: this rank), innermost axis first."""
         return dict(self.coords) if rank is None else self._coordinates(rank)
 
-    def rank_of(self, *, dp: int, pp: int, tp: int) -> int:
+    def rank_of(self, *, dp: int, pp: int, tp: int, sp: int = 0) -> int:
         """The world rank at these coordinates."""
-        coords = {"dp": dp, "pp": pp, "tp": tp}
+        coords = {"dp": dp, "pp": pp, "tp": tp, "sp": sp}
         for axis, value in coords.items():
             if not 0 <= value < self.shape[axis]:
                 raise ValueError(f"Mesh.rank_of: {axis}={value} is outside 0..{self.shape[axis] - 1}")
@@ -97,25 +123,31 @@ class Mesh:
         return self.world.size
 
     def _warn_if_tp_crosses_nodes(self) -> None:
+        """Tensor and spatial groups talk in every layer: say so when one spans more than a node."""
         local = self.world.local_size
-        if self.shape["tp"] == 1 or local <= 1 or local >= self.world.size:
-            return
-        stride = math.prod(self.shape[a] for a in self.placement[: self.placement.index("tp")])
-        span = stride * (self.shape["tp"] - 1) + 1
-        if self.placement[0] != "tp" or span > local or local % self.shape["tp"]:
-            log.warning(
-                "Mesh: tensor-parallel groups of %d ranks (spanning %d consecutive ranks) do not fit in a node of "
-                "%d ranks: every layer's allreduce crosses nodes. Put 'tp' first in placement and keep tp <= %d.",
-                self.shape["tp"],
-                span,
-                local,
-                local,
-            )
+        for axis, what in (("tp", "tensor-parallel"), ("sp", "spatial")):
+            size = self.shape[axis]
+            if size == 1 or local <= 1 or local >= self.world.size:
+                continue
+            stride = math.prod(self.shape[a] for a in self.placement[: self.placement.index(axis)])
+            span = stride * (size - 1) + 1
+            if span > local or local % size:
+                log.warning(
+                    "Mesh: %s groups of %d ranks (spanning %d consecutive ranks) do not fit in a node of %d ranks: "
+                    "every layer's exchange crosses nodes. Put %r first in placement and keep %s <= %d.",
+                    what,
+                    size,
+                    span,
+                    local,
+                    axis,
+                    axis,
+                    local,
+                )
 
     def describe(self) -> str:
         """The grid: degrees, placement and every world rank's coordinates."""
         head = (
-            f"Mesh dp={self.shape['dp']} x pp={self.shape['pp']} x tp={self.shape['tp']} = {self.size} ranks "
+            f"Mesh {' x '.join(f'{a}={self.shape[a]}' for a in DEGREES)} = {self.size} ranks "
             f"(innermost first: {', '.join(self.placement)})"
         )
         rows = [
@@ -124,18 +156,17 @@ class Mesh:
         return "\n".join([head, *rows])
 
     def __repr__(self) -> str:
-        c = self.coords
-        return (
-            f"Mesh(dp={self.shape['dp']}, pp={self.shape['pp']}, tp={self.shape['tp']}; rank {self.world.rank} at "
-            f"dp={c['dp']} pp={c['pp']} tp={c['tp']})"
-        )
+        degrees = ", ".join(f"{a}={self.shape[a]}" for a in DEGREES)
+        at = " ".join(f"{a}={self.coords[a]}" for a in DEGREES)
+        return f"Mesh({degrees}; rank {self.world.rank} at {at})"
 
     @classmethod
     def from_plan(cls, comm: Communicator, plan: Plan) -> Mesh:
         """The mesh of `plan`'s degrees and placement over `comm`."""
-        return cls(comm, dp=plan.dp, pp=plan.pp, tp=plan.tp, placement=plan.placement)
+        return cls(comm, dp=plan.dp, pp=plan.pp, tp=plan.tp, sp=plan.sp, placement=plan.placement)
 
     def close(self) -> None:
-        """Release the three sub-communicators (the world stays open)."""
-        for sub in (self.tp, self.pp, self.dp):
+        """Release the sub-communicators (the world stays open)."""
+        for sub in reversed(list(self._groups.values())):
             sub.close()
+        self._groups.clear()

@@ -4,7 +4,7 @@
     plan = hpdl.parallel.Plan.from_file("plan.toml")   # the same fields, one to one
     plan = plan.validate(world_size=comm.size, model=model)   # -1 degrees inferred; bad combinations rejected
 
-A plan holds degrees (dp x pp x tp), the ZeRO stage over the data-parallel
+A plan holds degrees (dp x pp x tp x sp), the ZeRO stage over the data-parallel
 group, pipeline micro-batches, schedule and recomputation, the gradient
 bucket size, wire compression, mixed precision, the tensor-parallel layer
 plan (name pattern -> style) and the rank placement. Every check that does
@@ -27,10 +27,12 @@ from typing import Any, Mapping, Optional
 
 from hpdl.parallel.tensor.styles import TP_STYLES, split_problem
 
-__all__ = ["Plan", "PlanError", "TP_STYLES", "AXES", "resolve_degrees", "split_problem"]
+__all__ = ["Plan", "PlanError", "TP_STYLES", "AXES", "DEGREES", "full_placement", "resolve_degrees", "split_problem"]
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "sp", "dp", "pp")
 """Mesh axes; `Plan.placement` orders them from innermost (consecutive ranks) to outermost."""
+DEGREES = ("dp", "pp", "tp", "sp")
+"""The degrees in the order plans and meshes print them."""
 
 SCHEDULES = ("gpipe", "1f1b")
 RECOMPUTE = ("never", "except_last", "always")
@@ -64,6 +66,11 @@ class Plan:
     """Pipeline-parallel degree: stages the model's sequence of layers is split into (-1: infer)."""
     tp: int = 1
     """Tensor-parallel degree: ranks that split each layer's weights (-1: infer); keep it inside a node."""
+    sp: int = 1
+    """Spatial degree: ranks that split each sample's activations along `spatial_dim` and exchange halos
+    (`hpdl.parallel.spatial`, for CNNs whose activations do not fit); -1: infer. Keep it inside a node."""
+    spatial_dim: int = 2
+    """The dimension the spatial group splits (2: height of NCHW, also depth of NCDHW); used when sp > 1."""
     zero_stage: int = 0
     """ZeRO stage over the data-parallel group: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters."""
     micro_batches: int = 1
@@ -84,14 +91,15 @@ class Plan:
     """Tensor-parallel layers: fnmatch pattern on module names -> style (see TP_STYLES); None: the model's
     own `tp_plan` attribute (hpdl.models.gpt provides one)."""
     placement: tuple[str, ...] = AXES
-    """Axes from innermost (consecutive ranks, one node) to outermost: the default ("tp", "dp", "pp") keeps
-    tensor parallelism inside a node and puts pipeline stages across nodes."""
+    """Axes from innermost (consecutive ranks, one node) to outermost: the default ("tp", "sp", "dp", "pp")
+    keeps tensor and spatial parallelism inside a node and puts pipeline stages across nodes. A placement of
+    the three axes before "sp" existed (a plan file of an earlier hpdl) gets "sp" right after "tp"."""
 
     # ------------------------------------------------------------------ checks without the world
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp"):
+        for name in DEGREES:
             _check_degree(name, getattr(self, name))
-        inferred = [name for name in ("dp", "pp", "tp") if getattr(self, name) == -1]
+        inferred = [name for name in DEGREES if getattr(self, name) == -1]
         if len(inferred) > 1:
             raise PlanError(f"Plan: at most one degree may be -1 (inferred); got {', '.join(inferred)} = -1")
         _check_int("zero_stage", self.zero_stage, ZERO_STAGES)
@@ -124,13 +132,14 @@ class Plan:
             object.__setattr__(self, "balance", list(self.balance))
             if self.pp != -1 and len(self.balance) != self.pp:
                 raise PlanError(f"Plan: balance={self.balance} lists {len(self.balance)} stages but pp={self.pp}")
-        placement = tuple(self.placement)
+        placement = full_placement(self.placement)
         if sorted(placement) != sorted(AXES):
             raise PlanError(
-                f"Plan: placement={list(placement)} must order the three axes {list(AXES)} "
+                f"Plan: placement={list(self.placement)} must order the axes {list(AXES)} "
                 "from innermost (consecutive ranks) to outermost"
             )
         object.__setattr__(self, "placement", placement)
+        self._check_spatial()
         if self.pp == 1 and self.schedule is not None:
             raise PlanError(f"Plan: schedule={self.schedule!r} needs pipeline stages (pp > 1); pp is 1")
         if self.pp == 1 and self.micro_batches > 1:
@@ -162,6 +171,27 @@ class Plan:
                 "re-sharded by ZeRO-3); use zero_stage=1 or 2 with tensor parallelism"
             )
 
+    def _check_spatial(self) -> None:
+        _check_int("spatial_dim", self.spatial_dim, None)
+        if self.spatial_dim < 2:
+            raise PlanError(
+                f"Plan: spatial_dim={self.spatial_dim} must be 2 or more (0 is the batch, 1 the channels; "
+                "2 is the height of NCHW)"
+            )
+        if self.sp == 1:
+            return
+        others = [f"{name}={getattr(self, name)}" for name in ("pp", "tp") if getattr(self, name) != 1]
+        if self.zero_stage:
+            others.append(f"zero_stage={self.zero_stage}")
+        if self.compression is not None:
+            others.append(f"compression={self.compression!r}")
+        if others:
+            raise PlanError(
+                f"Plan: sp={self.sp} (spatial) combines with dp only; got {', '.join(others)}. Spatial stages in a "
+                "pipeline are built by hand: Pipeline(model, comm, wrap_stage=lambda s: SpatialParallel(s, sp, "
+                "gather_output=True)) (docs/spatial.md)"
+            )
+
     # ------------------------------------------------------------------ derived values
     @property
     def pipeline_schedule(self) -> Optional[str]:
@@ -171,7 +201,7 @@ class Plan:
         return self.schedule or "1f1b"
 
     def degrees(self) -> dict[str, int]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        return {name: getattr(self, name) for name in DEGREES}
 
     # ------------------------------------------------------------------ checks with the world and the model
     def validate(self, world_size: int, model: Any = None) -> Plan:
@@ -185,8 +215,8 @@ class Plan:
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise PlanError(f"Plan.validate: world_size={world_size!r} must be a positive int")
-        degrees = resolve_degrees(world_size, self.dp, self.pp, self.tp)
-        plan = dataclasses.replace(self, dp=degrees["dp"], pp=degrees["pp"], tp=degrees["tp"])
+        degrees = resolve_degrees(world_size, self.dp, self.pp, self.tp, self.sp)
+        plan = dataclasses.replace(self, dp=degrees["dp"], pp=degrees["pp"], tp=degrees["tp"], sp=degrees["sp"])
         if plan.balance is not None and len(plan.balance) != plan.pp:
             raise PlanError(f"Plan: balance={plan.balance} lists {len(plan.balance)} stages but pp={plan.pp}")
         if plan.pipeline_schedule == "1f1b" and plan.micro_batches < plan.pp:
@@ -307,7 +337,7 @@ class Plan:
     def describe(self) -> str:
         """A few lines for logs: degrees, ZeRO, pipeline and tensor-parallel settings."""
         lines = [
-            f"mesh      dp={self.dp} x pp={self.pp} x tp={self.tp} (placement, innermost first: "
+            f"mesh      {' x '.join(f'{a}={getattr(self, a)}' for a in DEGREES)} (placement, innermost first: "
             f"{', '.join(self.placement)})",
             f"zero      stage {self.zero_stage} over the dp group; bucket {self.bucket_mb:g} MB; "
             f"compression {self.compression}; mixed precision {self.mixed_precision}",
@@ -320,13 +350,24 @@ class Plan:
         if self.tp != 1:
             styles = ", ".join(f"{k}: {v}" for k, v in (self.tp_plan or {}).items()) or "the model's own tp_plan"
             lines.append(f"tensor    {styles}")
+        if self.sp != 1:
+            lines.append(f"spatial   each sample split in {self.sp} slabs along dim {self.spatial_dim}")
         return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- helpers
-def resolve_degrees(world_size: int, dp: int, pp: int, tp: int) -> dict[str, int]:
-    """dp, pp, tp with one -1 inferred; PlanError printing every factor when they cannot make `world_size`."""
-    degrees = {"dp": dp, "pp": pp, "tp": tp}
+def full_placement(placement: Any) -> tuple[str, ...]:
+    """`placement` as a tuple; one of the three axes before "sp" existed gets "sp" right after "tp"."""
+    placement = tuple(placement)
+    if "sp" not in placement and sorted(placement) == sorted(a for a in AXES if a != "sp"):
+        at = placement.index("tp") + 1
+        placement = (*placement[:at], "sp", *placement[at:])
+    return placement
+
+
+def resolve_degrees(world_size: int, dp: int, pp: int, tp: int, sp: int = 1) -> dict[str, int]:
+    """dp, pp, tp, sp with one -1 inferred; PlanError printing every factor when they cannot make `world_size`."""
+    degrees = {"dp": dp, "pp": pp, "tp": tp, "sp": sp}
     for name, value in degrees.items():
         _check_degree(name, value)
     unknown = [k for k, v in degrees.items() if v == -1]
@@ -335,14 +376,14 @@ def resolve_degrees(world_size: int, dp: int, pp: int, tp: int) -> dict[str, int
     known = math.prod(v for v in degrees.values() if v != -1)
     if unknown:
         if world_size % known:
-            factors = " * ".join(f"{k}({v})" for k, v in degrees.items() if v != -1)
+            factors = " * ".join(f"{k}({v})" for k, v in degrees.items() if v != -1 and (k, v) != ("sp", 1))
             raise PlanError(
                 f"{unknown[0]} = -1 cannot be inferred: {factors} = {known} does not divide world size {world_size}"
             )
         degrees[unknown[0]] = world_size // known
     product = math.prod(degrees.values())
     if product != world_size:
-        factors = " * ".join(f"{k}({v})" for k, v in degrees.items())
+        factors = " * ".join(f"{k}({v})" for k, v in degrees.items() if (k, v) != ("sp", 1))
         raise PlanError(f"{factors} != world size {world_size}: the degrees must multiply to the number of ranks")
     return degrees
 
