@@ -13,6 +13,7 @@ import pytest
 import sklearn.cluster
 import sklearn.linear_model
 import sklearn.neighbors
+import torch
 from sklearn.datasets import load_diabetes, load_digits, load_iris
 
 from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors, Ridge
@@ -20,46 +21,60 @@ from ml_shards import bounds, first_ranks
 from tie_free import jittered
 
 
-def body_all(comm, nranks: int, empty_rank):
+def body_all(comm, nranks: int, empty_rank, kind: str = "numpy"):
+    """Every estimator on this rank's shard. `kind="torch"`: the shards are torch tensors (the device path, on the
+    CPU), and every array answer must come back a tensor (recorded as NumPy for the checks)."""
     sub = first_ranks(comm, nranks)
     if sub is None:
         return None
+    T = (lambda a: torch.from_numpy(np.ascontiguousarray(a))) if kind == "torch" else (lambda a: a)  # noqa: E731
     out: dict = {"size": sub.size}
     # K-Means on iris (float64) with the same initial centres and with sample weights; k-means|| default
     X = jittered(load_iris().data)  # tie-free (tie_free.py): labels compared with scikit-learn's
     lo, hi = bounds(len(X), sub.size, empty_rank)[sub.rank]
     w = np.random.default_rng(0).uniform(0.5, 2.0, len(X))
-    km = KMeans(3, init=X[[0, 50, 100]], n_init=1, comm=sub).fit(X[lo:hi], sample_weight=w[lo:hi])
-    out["km"] = (km.cluster_centers_, km.inertia_, km.n_iter_, km.labels_, km.score(X[lo:hi], sample_weight=w[lo:hi]))
-    auto = KMeans(3, random_state=0, comm=sub).fit(X[lo:hi])
+    km = KMeans(3, init=X[[0, 50, 100]], n_init=1, comm=sub).fit(T(X[lo:hi]), sample_weight=T(w[lo:hi]))
+    score = km.score(T(X[lo:hi]), sample_weight=T(w[lo:hi]))
+    out["km"] = (km.cluster_centers_, km.inertia_, km.n_iter_, N(km.labels_, kind), score)
+    auto = KMeans(3, random_state=0, comm=sub).fit(T(X[lo:hi]))
     out["km_auto"] = (auto.inertia_, auto.cluster_centers_)
-    pp = KMeans(3, init="k-means++", random_state=0, comm=sub).fit(X[lo:hi])
+    pp = KMeans(3, init="k-means++", random_state=0, comm=sub).fit(T(X[lo:hi]))
     out["km_pp"] = pp.inertia_
-    out["km_none"] = KMeans(3, init="random", n_init=1, comm=sub).fit(X[lo:hi]).cluster_centers_  # random_state=None
+    out["km_none"] = KMeans(3, init="random", n_init=1, comm=sub).fit(T(X[lo:hi])).cluster_centers_  # random_state=None
     # an empty cluster on the way: two centres far away
     far = np.array([X[0], X[1], [50.0] * 4, [60.0] * 4])
-    out["km_empty"] = KMeans(4, init=far, n_init=1, comm=sub).fit(X[lo:hi]).cluster_centers_
+    out["km_empty"] = KMeans(4, init=far, n_init=1, comm=sub).fit(T(X[lo:hi])).cluster_centers_
     # linear models on diabetes
     Xd, yd = load_diabetes(return_X_y=True)
     lo, hi = bounds(len(Xd), sub.size, empty_rank)[sub.rank]
     wd = np.random.default_rng(1).uniform(0.5, 2.0, len(yd))
-    lin = LinearRegression(comm=sub).fit(Xd[lo:hi], yd[lo:hi], sample_weight=wd[lo:hi])
-    tsqr = Ridge(alpha=0.3, solver="tsqr", comm=sub).fit(Xd[lo:hi], yd[lo:hi])
-    out["lin"] = (lin.coef_, lin.intercept_, lin.score(Xd[lo:hi], yd[lo:hi]))
+    lin = LinearRegression(comm=sub).fit(T(Xd[lo:hi]), T(yd[lo:hi]), sample_weight=T(wd[lo:hi]))
+    tsqr = Ridge(alpha=0.3, solver="tsqr", comm=sub).fit(T(Xd[lo:hi]), T(yd[lo:hi]))
+    out["lin"] = (lin.coef_, lin.intercept_, lin.score(T(Xd[lo:hi]), T(yd[lo:hi])))
     out["ridge"] = (tsqr.coef_, tsqr.intercept_)
     # neighbours on digits: index 1500 rows, query 297 (each rank its own slice of each)
     Xg, yg = load_digits(return_X_y=True)
     lo, hi = bounds(1500, sub.size, empty_rank)[sub.rank]
     qlo, qhi = bounds(297, sub.size, None)[sub.rank]
-    Q = Xg[1500 + qlo : 1500 + qhi]
-    nn = NearestNeighbors(n_neighbors=4, comm=sub).fit(Xg[lo:hi])
-    out["nn"] = nn.kneighbors(Q)
-    out["nn_cos"] = NearestNeighbors(n_neighbors=4, metric="cosine", comm=sub).fit(Xg[lo:hi]).kneighbors(Q)
-    clf = KNeighborsClassifier(5, weights="distance", comm=sub).fit(Xg[lo:hi], yg[lo:hi])
-    out["clf"] = (clf.predict(Q), clf.score(Q, yg[1500 + qlo : 1500 + qhi]), clf.classes_)
-    reg = KNeighborsRegressor(3, comm=sub).fit(Xg[lo:hi], yg[lo:hi].astype(float))
-    out["reg"] = reg.predict(Q)
+    Q = T(Xg[1500 + qlo : 1500 + qhi])
+    nn = NearestNeighbors(n_neighbors=4, comm=sub).fit(T(Xg[lo:hi]))
+    out["nn"] = tuple(N(a, kind) for a in nn.kneighbors(Q))
+    cos = NearestNeighbors(n_neighbors=4, metric="cosine", comm=sub).fit(T(Xg[lo:hi]))
+    out["nn_cos"] = tuple(N(a, kind) for a in cos.kneighbors(Q))
+    clf = KNeighborsClassifier(5, weights="distance", comm=sub).fit(T(Xg[lo:hi]), T(yg[lo:hi]))
+    out["clf"] = (N(clf.predict(Q), kind), clf.score(Q, T(yg[1500 + qlo : 1500 + qhi])), clf.classes_)
+    reg = KNeighborsRegressor(3, comm=sub).fit(T(Xg[lo:hi]), T(yg[lo:hi].astype(float)))
+    out["reg"] = N(reg.predict(Q), kind)
     return out
+
+
+def N(answer, kind: str) -> np.ndarray:  # noqa: N802 - the counterpart of T
+    """An answer as NumPy, after checking that it came back in the input's kind (tensors in, tensors out)."""
+    if kind == "torch":
+        assert isinstance(answer, torch.Tensor), type(answer)
+        return answer.numpy()
+    assert isinstance(answer, np.ndarray), type(answer)
+    return answer
 
 
 def _reference():
@@ -138,6 +153,11 @@ def _check(results: list, nranks: int) -> None:
 
 def test_two_ranks_with_an_empty_shard_match_sklearn(ranks):
     _check(ranks("mpi", 2).run(body_all, 2, 0, timeout=120), 2)
+
+
+def test_two_ranks_on_torch_tensors_match_sklearn(ranks):
+    """The same estimators on torch tensor shards (what CuPy input becomes): the same answers, as tensors."""
+    _check(ranks("mpi", 2).run(body_all, 2, 0, "torch", timeout=120), 2)
 
 
 def test_three_ranks_uneven_match_sklearn(ranks):

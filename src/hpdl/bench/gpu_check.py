@@ -8,7 +8,10 @@ Prints one table (see ../shared/GPU.md):
 - one training step of the demo model on the GPU with and without
   DataParallel (the wrapper's overhead);
 - the "hpdl" torch.distributed backend on CUDA tensors (2 ranks): its
-  collectives against CPU tensors, and one DDP step.
+  collectives against CPU tensors, and one DDP step;
+- hpdl.ml's K-Means and k-NN on device arrays (CuPy when it is installed,
+  else torch CUDA tensors) against the same fit on NumPy: same answers,
+  and the speed-up.
 
 `--device cpu` runs the same checks on the CPU, which is how CI keeps this
 script working on machines without a GPU. One GPU cannot show multi-GPU
@@ -195,6 +198,80 @@ def torch_backend(device: Any) -> list[tuple[str, str, str]]:
     return results
 
 
+def ml_on_device(device: Any) -> list[tuple[str, str, str]]:
+    """K-Means and k-NN on device arrays against NumPy: the same centres and neighbours, and the speed-up.
+
+    CUDA: CuPy arrays when CuPy is installed (the DLPack path), else torch
+    tensors; 1M x 32 float32 rows. `--device cpu`: torch CPU tensors (the
+    same device code) on 20k rows, for CI.
+    """
+    import numpy as np
+    import torch
+
+    from hpdl.ml import KMeans, NearestNeighbors
+
+    big = device.type == "cuda"
+    rows, index_rows, queries = (1_000_000, 100_000, 10_000) if big else (20_000, 5_000, 500)
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(16, 32)) * 3
+    X = (centres[rng.integers(0, 16, rows)] + rng.normal(size=(rows, 32))).astype(np.float32)
+    index, Q = X[:index_rows], X[index_rows : index_rows + queries]
+    to_device, kind = _device_arrays(device)
+
+    def sync() -> None:
+        if big:
+            torch.cuda.synchronize()
+
+    def timed(fit: Any) -> tuple[Any, float]:
+        fit()  # warm-up: compilation, the device's first allocations
+        sync()
+        started = time.perf_counter()
+        out = fit()
+        sync()
+        return out, time.perf_counter() - started
+
+    results = []
+    try:
+        start = X[:16].copy()
+        on_host, host_s = timed(lambda: KMeans(16, init=start, n_init=1, max_iter=20, tol=0.0).fit(X))
+        Xd = to_device(X)
+        on_dev, dev_s = timed(lambda: KMeans(16, init=start, n_init=1, max_iter=20, tol=0.0).fit(Xd))
+        drift = float(np.abs(on_dev.cluster_centers_ - on_host.cluster_centers_).max())
+        same = drift <= 1e-3 and abs(on_dev.inertia_ - on_host.inertia_) <= 1e-4 * on_host.inertia_
+        detail = f"{kind}, {rows} x 32: {host_s * 1e3:.0f} ms NumPy, {dev_s * 1e3:.0f} ms device, {host_s / dev_s:.1f}x"
+        results.append(("ml K-Means", "PASS" if same else "FAIL", f"{detail}; centres within {drift:.1e}"))
+    except Exception as exc:
+        results.append(("ml K-Means", "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
+    try:
+        (_, idx_host), host_s = timed(lambda: NearestNeighbors(n_neighbors=10).fit(index).kneighbors(Q))
+        Id, Qd = to_device(index), to_device(Q)
+        (_, idx_dev), dev_s = timed(lambda: NearestNeighbors(n_neighbors=10).fit(Id).kneighbors(Qd))
+        found = np.asarray(torch.as_tensor(idx_dev, device="cpu")) if not isinstance(idx_dev, np.ndarray) else idx_dev
+        recall = float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found.tolist(), idx_host.tolist())]))
+        detail = (
+            f"{kind}, {index_rows} x {queries} x 32, k=10: {host_s * 1e3:.0f} ms NumPy, {dev_s * 1e3:.0f} ms device, "
+            f"{host_s / dev_s:.1f}x; recall against NumPy {recall:.4f}"
+        )
+        results.append(("ml k-NN", "PASS" if recall >= 0.999 else "FAIL", detail))
+    except Exception as exc:
+        results.append(("ml k-NN", "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
+    return results
+
+
+def _device_arrays(device: Any) -> tuple[Any, str]:
+    """How to put a NumPy array on `device`: CuPy on a GPU where it is installed, else a torch tensor."""
+    import torch
+
+    if device.type == "cuda":
+        try:
+            import cupy
+
+            return cupy.asarray, "CuPy"
+        except ImportError:
+            pass
+    return (lambda a: torch.from_numpy(a).to(device)), f"torch {device.type} tensors"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     options = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if not options.worker:
@@ -212,6 +289,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         results += training_step(comm, device)
     if options.worker == "mpi":
         results += torch_backend(device)
+    else:
+        results += ml_on_device(device)
     if comm.rank == 0:
         with open(options.out, "w") as handle:
             json.dump(results, handle)

@@ -44,6 +44,14 @@ class ShardMismatchError(HpdlError, ValueError):
     """Ranks passed shards that cannot belong to one data set (feature counts or dtypes differ), or one failed."""
 
 
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """A block's dtype as NumPy names it (a torch tensor's too: device blocks are tensors)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype(str(dtype).removeprefix("torch."))
+
+
 def is_dask_array(x: Any) -> bool:
     mod = type(x).__module__
     return mod.startswith("dask.") and hasattr(x, "chunks") and hasattr(x, "to_delayed")
@@ -122,7 +130,7 @@ class LocalShards(Shards):
     def __post_init__(self) -> None:
         X = self.block[0]
         self.n_samples, self.n_features = int(X.shape[0]), int(X.shape[1])
-        self.dtype = X.dtype
+        self.dtype = numpy_dtype(X.dtype)
         self.sizes = [self.n_samples]
 
     @property
@@ -152,7 +160,7 @@ class SpmdShards(Shards):
         self.comm = comm
         X = block[0]
         self.n_features = int(X.shape[1])
-        self.dtype = X.dtype
+        self.dtype = numpy_dtype(X.dtype)
         self.sizes = list(sizes)
         self.n_samples = int(sum(sizes))
         self.meta = (comm.rank, self.offsets[comm.rank])
@@ -188,7 +196,7 @@ def agree_on_layout(comm: Any, local: Any, estimator: str, *, allow_all_empty: b
     if isinstance(local, BaseException):
         mine: tuple = (0, -1, "", f"{type(local).__name__}: {local}")
     else:
-        mine = (int(local.shape[0]), int(local.shape[1]), str(local.dtype), "")
+        mine = (int(local.shape[0]), int(local.shape[1]), str(numpy_dtype(local.dtype)), "")
     table = comm.allgather_object(mine)
     failed = [(r, t[3]) for r, t in enumerate(table) if t[3]]
     if failed:

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted
 
+from hpdl.ml import device
 from hpdl.ml.base import Shards, is_dask_array, validate_block
 from hpdl.ml.inputs import make_shards
 
@@ -40,6 +41,9 @@ class DistributedMixin:
     """`comm` (an hpdl Communicator, or None) and the switch between one array, SPMD shards and Dask."""
 
     comm: Any
+    _on_device = False
+    """True where the estimator computes on a device array's own device (hpdl.ml.device); the others copy it to
+    the host first."""
 
     def _shards(
         self,
@@ -50,7 +54,13 @@ class DistributedMixin:
         check: Optional[Callable[[np.ndarray, list], list]] = None,
     ) -> Shards:
         shards = make_shards(
-            X, list(extra), comm=self.comm, dtype=list(dtype), estimator=type(self).__name__, extra_checks=check
+            X,
+            list(extra),
+            comm=self.comm,
+            dtype=list(dtype),
+            estimator=type(self).__name__,
+            extra_checks=check,
+            on_device=self._on_device,
         )
         self.n_features_in_ = shards.n_features
         if not shards.distributed:
@@ -72,7 +82,13 @@ class DistributedMixin:
                 )
             return X
         allow_empty = self.comm is not None and self.comm.size > 1
-        Xv = validate_block(X, dtype=dtype, allow_empty=allow_empty, estimator=name)
+        Xv: Any
+        if device.is_device_array(X) and not self._on_device:
+            X = device.host(device.as_tensor(X))
+        if device.is_device_array(X):
+            Xv = device.validate(X, dtype=[dtype], allow_empty=allow_empty, estimator=name)
+        else:
+            Xv = validate_block(X, dtype=dtype, allow_empty=allow_empty, estimator=name)
         if Xv.shape[1] != self.n_features_in_:
             raise ValueError(
                 f"X has {Xv.shape[1]} features, but {name} is expecting {self.n_features_in_} features as input."

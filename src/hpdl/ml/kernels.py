@@ -131,13 +131,17 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def row_sq_norms(X: np.ndarray) -> np.ndarray:
+def _host(a: Any) -> Any:
+    return _np(a) if isinstance(a, torch.Tensor) else a
+
+
+def row_sq_norms(X: Any) -> Any:
     """||x||^2 per row. NumPy's einsum reads the rows once (3 ms for 500k x 32 float32); torch's x * x then sum
     wrote a temporary as large as X first (35 ms, most of it page faults on the fresh memory)."""
     if isinstance(X, np.ndarray):
         return np.einsum("ij,ij->i", X, X)
-    Xt = _t(X)
-    return _np((Xt * Xt).sum(1)) if Xt.shape[0] else np.zeros(0, dtype=X.dtype)
+    Xt = _t(X)  # a device block's norms stay on its device
+    return (Xt * Xt).sum(1)
 
 
 def _centre_terms(centres: np.ndarray, dtype: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,8 +276,31 @@ def _assign_torch(X: Any, xsq: Any, centres: Any) -> tuple[Any, Any]:
     return labels, dist_out
 
 
-def exact_inertia(X: np.ndarray, w: Optional[np.ndarray], centres: np.ndarray, labels: np.ndarray) -> float:
+def column_sums(X: Any) -> np.ndarray:
+    """Per-column sums in float64, on the host (a device block sums where it lives)."""
+    if isinstance(X, torch.Tensor):
+        return _np(X.sum(0, dtype=torch.float64))
+    return X.sum(axis=0, dtype=np.float64)
+
+
+def shifted(X: Any, mean: np.ndarray) -> Any:
+    """X - mean in X's dtype, where X lives (a new array)."""
+    if isinstance(X, torch.Tensor):
+        return X - torch.as_tensor(mean, dtype=X.dtype, device=X.device)
+    return X - mean.astype(X.dtype)
+
+
+def total(v: Any) -> float:
+    """The sum of a vector in float64."""
+    if isinstance(v, torch.Tensor):
+        return float(v.sum(dtype=torch.float64))
+    return float(v.sum(dtype=np.float64))
+
+
+def exact_inertia(X: Any, w: Any, centres: np.ndarray, labels: Any) -> float:
     """Sum of w * ||x - c_label||^2 from the differences themselves (the reported inertia, as scikit-learn's)."""
+    if isinstance(X, torch.Tensor):
+        return _exact_inertia_torch(X, w, centres, labels)
     total = 0.0
     C = np.asarray(centres, dtype=X.dtype)
     step = chunk_rows(X.shape[1], 1, X.itemsize)
@@ -284,6 +311,19 @@ def exact_inertia(X: np.ndarray, w: Optional[np.ndarray], centres: np.ndarray, l
     return total
 
 
+def _exact_inertia_torch(X: torch.Tensor, w: Any, centres: np.ndarray, labels: torch.Tensor) -> float:
+    C = torch.as_tensor(np.asarray(centres), dtype=X.dtype, device=X.device)
+    lab = labels.to(device=X.device, dtype=torch.int64)
+    wt = None if w is None else _t(w).to(device=X.device, dtype=torch.float64)
+    acc = torch.zeros((), dtype=torch.float64, device=X.device)
+    step = chunk_rows(X.shape[1], 1, X.element_size())
+    for s in range(0, X.shape[0], step):
+        diff = X[s : s + step] - C[lab[s : s + step]]
+        sq = (diff * diff).sum(1, dtype=torch.float64)
+        acc += sq.sum() if wt is None else (sq * wt[s : s + step]).sum()
+    return float(acc)
+
+
 def min_sq_dist(X: np.ndarray, xsq: Optional[np.ndarray], centres: np.ndarray) -> np.ndarray:
     return assign(X, xsq, centres)[1]
 
@@ -292,14 +332,16 @@ def farthest(
     X: np.ndarray, xsq: np.ndarray, w: Optional[np.ndarray], centres: np.ndarray, count: int, offset: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The `count` rows farthest from their nearest centre: (distance, global index, row, weight, label)."""
-    labels, dist = assign(X, xsq, centres)
+    labels, dist = (_host(a) for a in assign(X, xsq, centres))
     count = min(count, X.shape[0])
     if count == 0:
         z = np.zeros(0)
-        return z, z.astype(np.int64), np.zeros((0, X.shape[1]), X.dtype), z, z.astype(np.int32)
+        rows = np.zeros((0, X.shape[1]), np.dtype(str(X.dtype).removeprefix("torch.")))
+        return z, z.astype(np.int64), rows, z, z.astype(np.int32)
     far = np.argpartition(dist, -count)[-count:]
-    weights = np.ones(count) if w is None else np.asarray(w[far], dtype=np.float64)
-    return dist[far].astype(np.float64), far.astype(np.int64) + offset, X[far].copy(), weights, labels[far]
+    weights = np.ones(count) if w is None else np.asarray(_host(w)[far], dtype=np.float64)
+    picked = _host(X[torch.from_numpy(far).to(X.device)]) if isinstance(X, torch.Tensor) else X[far]
+    return dist[far].astype(np.float64), far.astype(np.int64) + offset, picked, weights, labels[far]
 
 
 def gram_partial(
@@ -393,8 +435,8 @@ def _knn_block_torch(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The torch path (CPU tensors, or CUDA tensors for CuPy input): a product per query block, then topk."""
     It = _t(index)
-    Qt = _t(queries).to(dtype=It.dtype)
-    isq = _t(index_sq).to(dtype=It.dtype)
+    Qt = _t(queries).to(device=It.device, dtype=It.dtype)
+    isq = _t(index_sq).to(device=It.device, dtype=It.dtype)
     m = Qt.shape[0]
     if metric == "cosine":
         tiny = 1e-300 if It.dtype == torch.float64 else 1e-30
@@ -412,6 +454,13 @@ def _knn_block_torch(
             dist += (q * q).sum(1, keepdim=True)
             dist.clamp_(min=0)
         vals, pos = torch.topk(dist, kk, dim=1, largest=False, sorted=True)
+        if metric != "cosine":  # the winners' distances again from the differences, in float64, as the NumPy path
+            diff = q[:, None, :].to(torch.float64) - It[pos].to(torch.float64)
+            vals = (diff * diff).sum(-1)
+            by_index = torch.argsort(pos, dim=1, stable=True)  # then (distance, index) order, as its lexsort
+            vals, pos = vals.gather(1, by_index), pos.gather(1, by_index)
+            by_distance = torch.argsort(vals, dim=1, stable=True)
+            vals, pos = vals.gather(1, by_distance), pos.gather(1, by_distance)
         dist_out[s : s + step] = vals
         idx_out[s : s + step] = pos + offset
     return _np(dist_out), _np(idx_out)

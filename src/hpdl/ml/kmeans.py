@@ -18,6 +18,7 @@ from numbers import Integral, Real
 from typing import Any, Optional
 
 import numpy as np
+import torch
 from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, ClusterMixin, TransformerMixin
 from sklearn.cluster import KMeans as _SkKMeans
 from sklearn.cluster._kmeans import _is_same_clustering, _kmeans_plusplus
@@ -26,8 +27,8 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_array
 
-from hpdl.ml import bounds, kernels
-from hpdl.ml.base import Shards
+from hpdl.ml import bounds, device, kernels
+from hpdl.ml.base import Shards, numpy_dtype
 from hpdl.ml.estimator import DistributedMixin, weights_check
 
 __all__ = ["KMeans"]
@@ -38,24 +39,28 @@ KMEANS_PARALLEL_ROUNDS = 5
 
 # --------------------------------------------------------------------------- block functions (run where the data is)
 def _column_sums(block: tuple, meta: Any) -> tuple:
-    X = block[0]
-    return (X.sum(axis=0, dtype=np.float64),)
+    return (kernels.column_sums(block[0]),)
 
 
 def _prepare(block: tuple, meta: Any, mean: np.ndarray) -> tuple:
-    """(X - mean, ||X - mean||^2, w): centring first keeps float32 distances accurate, as scikit-learn does."""
+    """(X - mean, ||X - mean||^2, w): centring first keeps float32 distances accurate, as scikit-learn does.
+
+    A device block keeps its weights beside it on the device, in its dtype.
+    """
     X, w = block[0], block[1]
-    Xc = X - mean.astype(X.dtype)
+    Xc = kernels.shifted(X, mean)
+    if w is not None and isinstance(Xc, torch.Tensor):
+        w = torch.as_tensor(w, dtype=Xc.dtype, device=Xc.device)
     return Xc, kernels.row_sq_norms(Xc), w
 
 
 def _sq_total(block: tuple, meta: Any) -> tuple:
-    return (float(block[1].sum(dtype=np.float64)),)
+    return (kernels.total(block[1]),)
 
 
 def _lloyd_block(block: tuple, meta: Any, centres: np.ndarray) -> tuple:
     sums, counts, _ = kernels.lloyd_partial(block[0], block[1], block[2], centres)
-    return sums, counts
+    return device.host(sums), device.host(counts)
 
 
 def _with_bounds(block: tuple, meta: Any, centres: np.ndarray) -> tuple:
@@ -76,7 +81,8 @@ def _labels_block(block: tuple, meta: Any, centres: np.ndarray) -> np.ndarray:
 
 def _final_block(block: tuple, meta: Any, centres: np.ndarray) -> tuple:
     labels = kernels.assign(block[0], block[1], centres)[0]
-    return (kernels.exact_inertia(block[0], block[2], centres, labels), np.bincount(labels, minlength=len(centres)))
+    sizes = np.bincount(device.host(labels), minlength=len(centres))
+    return kernels.exact_inertia(block[0], block[2], centres, labels), sizes
 
 
 def _farthest_block(block: tuple, meta: Any, centres: np.ndarray, count: int) -> tuple:
@@ -86,10 +92,10 @@ def _farthest_block(block: tuple, meta: Any, centres: np.ndarray, count: int) ->
 def _potential(block: tuple, centres: Optional[np.ndarray]) -> np.ndarray:
     """w * (squared distance to the nearest centre), or w alone when there is no centre yet."""
     X, xsq, w = block
-    base = np.ones(X.shape[0]) if w is None else np.asarray(w, dtype=np.float64)
+    base = np.ones(X.shape[0]) if w is None else np.asarray(device.host(w), dtype=np.float64)
     if centres is None or len(centres) == 0:
         return base
-    return base * kernels.min_sq_dist(X, xsq, centres).astype(np.float64)
+    return base * device.host(kernels.min_sq_dist(X, xsq, centres)).astype(np.float64)
 
 
 def _potential_total(block: tuple, meta: Any, centres: Optional[np.ndarray]) -> float:
@@ -104,20 +110,21 @@ def _pick_block(block: tuple, meta: Any, centres: Optional[np.ndarray], targets:
     """Rows where the cumulative potential crosses each target (targets given in this block's own scale)."""
     mine = [(pos, value) for pos, index, value in targets if index == meta[0]]
     if not mine:
-        return [], np.zeros((0, block[0].shape[1]), block[0].dtype)
+        return [], np.zeros((0, block[0].shape[1]), numpy_dtype(block[0].dtype))
     cumulative = np.cumsum(_potential(block, centres))
     rows = [min(int(np.searchsorted(cumulative, v)), block[0].shape[0] - 1) for _, v in mine]
-    return [p for p, _ in mine], block[0][rows].copy()
+    return [p for p, _ in mine], _rows(block[0], np.asarray(rows, dtype=np.int64))
 
 
 def _candidate_block(block: tuple, meta: Any, centres: np.ndarray, candidates: np.ndarray) -> tuple:
     """For each candidate, the block's potential if it were added (scikit-learn's greedy k-means++ trial)."""
     X, xsq, w = block
-    current = kernels.min_sq_dist(X, xsq, centres).astype(np.float64)
+    current = device.host(kernels.min_sq_dist(X, xsq, centres)).astype(np.float64)
+    weights = None if w is None else np.asarray(device.host(w), dtype=np.float64)
     out = np.empty(len(candidates))
     for j, c in enumerate(candidates):
-        d = np.minimum(current, kernels.min_sq_dist(X, xsq, c[None, :]).astype(np.float64))
-        out[j] = d.sum() if w is None else float(np.dot(d, w))
+        d = np.minimum(current, device.host(kernels.min_sq_dist(X, xsq, c[None, :])).astype(np.float64))
+        out[j] = d.sum() if weights is None else float(np.dot(d, weights))
     return (out,)
 
 
@@ -125,16 +132,23 @@ def _oversample_block(block: tuple, meta: Any, centres: np.ndarray, factor: floa
     """k-means|| round: keep each row with probability min(1, factor * w * d^2) (its own stream per block)."""
     X = block[0]
     if X.shape[0] == 0:
-        return X[:0].copy()
+        return np.zeros((0, X.shape[1]), numpy_dtype(X.dtype))
     p = np.minimum(1.0, factor * _potential(block, centres))
     rng = np.random.default_rng([seed, rnd, meta[0]])
-    return X[rng.random(X.shape[0]) < p].copy()
+    return _rows(X, np.flatnonzero(rng.random(X.shape[0]) < p))
+
+
+def _rows(X: Any, index: np.ndarray) -> np.ndarray:
+    """Copies of X's rows `index` on the host (from the device for a device block)."""
+    if isinstance(X, torch.Tensor):
+        return device.host(X[torch.from_numpy(index).to(X.device)])
+    return X[index]
 
 
 def _nearest_weights(block: tuple, meta: Any, centres: np.ndarray) -> tuple:
-    labels = kernels.assign(block[0], block[1], centres)[0]
-    w = block[2]
-    return (np.bincount(labels, weights=None if w is None else np.asarray(w, np.float64), minlength=len(centres)),)
+    labels = device.host(kernels.assign(block[0], block[1], centres)[0])
+    w = None if block[2] is None else np.asarray(device.host(block[2]), np.float64)
+    return (np.bincount(labels, weights=w, minlength=len(centres)),)
 
 
 # --------------------------------------------------------------------------- initialisation
@@ -252,6 +266,7 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
     rows). A Dask array runs on the workers of the current Client.
     """
 
+    _on_device = True
     _parameter_constraints: dict = {
         "n_clusters": [Interval(Integral, 1, None, closed="left")],
         "init": [StrOptions({"auto", "k-means++", "k-means||", "random"}), "array-like"],
@@ -319,7 +334,7 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
             raise RuntimeError("KMeans: no initialisation ran")
         best_inertia, centres, n_iter, sizes = best
         self.cluster_centers_ = (centres.astype(np.float64) + mean).astype(shards.dtype)
-        self.labels_ = _detached(data.map(_labels_block, centres, dtype=np.int32))
+        self.labels_ = device.like(_detached(data.map(_labels_block, centres, dtype=np.int32)), X)
         self.inertia_ = best_inertia
         self.n_iter_ = n_iter
         self._n_features_out = k
@@ -337,8 +352,8 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
         """scikit-learn keeps an earlier run whose clustering is the same up to relabelling (rounding noise)."""
         if data.distributed:
             return False
-        first = data.map(_labels_block, centres, dtype=np.int32)
-        second = data.map(_labels_block, other, dtype=np.int32)
+        first = device.host(data.map(_labels_block, centres, dtype=np.int32))
+        second = device.host(data.map(_labels_block, other, dtype=np.int32))
         return bool(_is_same_clustering(first, second, self.n_clusters))
 
     def _resolve_init(self, shards: Shards) -> Any:
@@ -379,8 +394,9 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
         if not isinstance(init, str):
             return (init.astype(np.float64) - mean).astype(data.dtype)
         local = not data.distributed
+        on_host = isinstance(data.block[0], np.ndarray) if local else True  # type: ignore[attr-defined]
         if init == "k-means++":
-            if local:
+            if local and on_host:
                 X, xsq, w = data.block  # type: ignore[attr-defined]
                 weights = np.ones(X.shape[0], dtype=X.dtype) if w is None else w
                 return _kmeans_plusplus(X, k, x_squared_norms=xsq, random_state=rng, sample_weight=weights)[0]
@@ -388,9 +404,9 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
         if init == "random":
             if local:
                 X, _, w = data.block  # type: ignore[attr-defined]
-                weights = np.ones(X.shape[0], dtype=X.dtype) if w is None else w
+                weights = np.ones(X.shape[0]) if w is None else np.asarray(device.host(w), dtype=np.float64)
                 seeds = rng.choice(X.shape[0], size=k, replace=False, p=weights / weights.sum())
-                return X[seeds]
+                return _rows(X, seeds)
             return _pick(data, None, rng, k)
         return _kmeans_parallel(data, k, rng)
 
@@ -399,15 +415,16 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
         """Index of the nearest centre of each row (local rows with `comm`; a lazy Dask array for Dask input)."""
         self._check_fitted("cluster_centers_")
         X = self._check_predict_input(X, self.cluster_centers_.dtype)
-        return self._map(X, _predict_block, self.cluster_centers_, dtype=np.int32)
+        return device.like(self._map(X, _predict_block, self.cluster_centers_, dtype=np.int32), X)
 
     def transform(self, X: Any) -> Any:
         """Euclidean distance of each row to every centre."""
         self._check_fitted("cluster_centers_")
         X = self._check_predict_input(X, self.cluster_centers_.dtype)
-        return self._map(
+        out = self._map(
             X, _transform_block, self.cluster_centers_, dtype=self.cluster_centers_.dtype, tail=(self.n_clusters,)
         )
+        return device.like(out, X)
 
     def fit_predict(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
         return self.fit(X, sample_weight=sample_weight).labels_
@@ -459,8 +476,12 @@ def _predict_block(block: tuple, meta: Any, centres: np.ndarray) -> np.ndarray:
     return kernels.assign(block[0], None, centres)[0]
 
 
-def _transform_block(block: tuple, meta: Any, centres: np.ndarray) -> np.ndarray:
-    return np.sqrt(_sq_distances(block[0], centres))
+def _transform_block(block: tuple, meta: Any, centres: np.ndarray) -> Any:
+    X = block[0]
+    if isinstance(X, torch.Tensor):
+        C = torch.as_tensor(np.asarray(centres), dtype=X.dtype, device=X.device)
+        return torch.cdist(X, C)
+    return np.sqrt(_sq_distances(X, centres))
 
 
 def _sq_distances(X: np.ndarray, centres: np.ndarray) -> np.ndarray:

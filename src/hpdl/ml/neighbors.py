@@ -18,12 +18,13 @@ from numbers import Integral
 from typing import Any, Optional
 
 import numpy as np
+import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, MultiOutputMixin, RegressorMixin
 from sklearn.metrics import r2_score
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import _check_sample_weight, check_array, check_consistent_length
 
-from hpdl.ml import kernels
+from hpdl.ml import device, kernels
 from hpdl.ml.base import Shards, agree_on_layout, is_dask_array, validate_block
 from hpdl.ml.estimator import DistributedMixin
 from hpdl.ml.targets import global_classes
@@ -47,6 +48,7 @@ def _search(block: tuple, meta: Any, queries: np.ndarray, k: int, metric: str) -
 
 
 class _NeighborsBase(DistributedMixin, BaseEstimator):
+    _on_device = True
     n_neighbors: int
     metric: str
     p: Any
@@ -81,6 +83,8 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
         rank (or all, in one process), each excluding itself, as scikit-learn.
         """
         dist, idx, _ = self._query(X, n_neighbors)
+        like = self._own_rows() if X is None else X  # a device array in: device arrays out
+        dist, idx = device.like(dist, like), device.like(idx, like)
         return (dist, idx) if return_distance else idx
 
     def _query(self, X: Any, n_neighbors: Optional[int]) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -111,7 +115,8 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
         comm = self.comm if self.comm is not None and self.comm.size > 1 else None
         if comm is not None:
             sizes = agree_on_layout(comm, queries, type(self).__name__, allow_all_empty=True)
-            every = comm.allgather(np.ascontiguousarray(queries), sizes=sizes)
+            shared = queries.contiguous() if isinstance(queries, torch.Tensor) else np.ascontiguousarray(queries)
+            every = comm.allgather(shared, sizes=sizes)
             start = int(sum(sizes[: comm.rank]))
             mine = slice(start, start + len(queries))
         else:
@@ -143,11 +148,17 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
         pick = (dist[mask].reshape(shape), idx[mask].reshape(shape))
         return (*pick, None if targets is None else targets[mask].reshape(shape + targets.shape[2:]))
 
-    def _check_queries(self, X: Any) -> np.ndarray:
+    def _check_queries(self, X: Any) -> Any:
         if is_dask_array(X):  # queries are small beside the index: they come to the caller in one piece
             X = X.compute()
         allow_empty = self.comm is not None and self.comm.size > 1
-        Xv = validate_block(X, dtype=self._shards_fit.dtype, allow_empty=allow_empty, estimator=type(self).__name__)
+        Xv: Any
+        if device.is_device_array(X):
+            Xv = device.validate(
+                X, dtype=[self._shards_fit.dtype], allow_empty=allow_empty, estimator=type(self).__name__
+            )
+        else:
+            Xv = validate_block(X, dtype=self._shards_fit.dtype, allow_empty=allow_empty, estimator=type(self).__name__)
         if Xv.shape[1] != self.n_features_in_:
             raise ValueError(
                 f"X has {Xv.shape[1]} features, but {type(self).__name__} is expecting {self.n_features_in_} "
@@ -276,12 +287,16 @@ class KNeighborsClassifier(ClassifierMixin, _NeighborsBase):
             encoded = y.map_blocks(_encode, self.classes_, dtype=np.int64)
             self._fit_index(X, [encoded])
             return self
+        y = device.host(y) if device.is_device_array(y) else y  # labels stay on the host, beside classes_
         self.classes_ = global_classes(y, self.comm)  # "Unknown label type" for a continuous y, on every rank
         self._fit_index(X, [y], check=_target_check(lambda yv: _encode(yv, self.classes_)))
         return self
 
-    def predict_proba(self, X: Any) -> np.ndarray:
+    def predict_proba(self, X: Any) -> Any:
         """Share of the (weighted) vote of each class, for each query row."""
+        return device.like(self._proba(X), X)
+
+    def _proba(self, X: Any) -> np.ndarray:
         self._check_fitted("n_samples_fit_")
         dist, _, codes = self._query(X, None)
         w = self._weights(dist)
@@ -292,15 +307,19 @@ class KNeighborsClassifier(ClassifierMixin, _NeighborsBase):
         total[total == 0] = 1.0
         return proba / total
 
-    def predict(self, X: Any) -> np.ndarray:
+    def predict(self, X: Any) -> Any:
         """The class with the largest (weighted) vote; ties go to the smaller class, as in scikit-learn."""
-        proba = self.predict_proba(X)
+        return device.like(self._labels(X), X)
+
+    def _labels(self, X: Any) -> np.ndarray:
+        proba = self._proba(X)  # first: it checks that the model is fitted
         return self.classes_[np.argmax(proba, axis=1)]
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """Accuracy over every rank's query rows with `comm`."""
-        pred = self.predict(X)
-        y = np.asarray(y)
+        pred = self._labels(X)
+        y = np.asarray(device.host(y))
+        sample_weight = device.host(sample_weight)
         w = np.ones(len(y)) if sample_weight is None else np.asarray(sample_weight, np.float64)
         correct, total = self._global_sum(np.array([float(np.dot(w, pred == y)), float(w.sum())]))
         return float(correct / total) if total else 0.0
@@ -354,7 +373,11 @@ class KNeighborsRegressor(MultiOutputMixin, RegressorMixin, _NeighborsBase):
         self._fit_index(X, [y], check=_target_check(encode))
         return self
 
-    def predict(self, X: Any) -> np.ndarray:
+    def predict(self, X: Any) -> Any:
+        """The (weighted) mean of the k nearest rows' targets."""
+        return device.like(self._mean(X), X)
+
+    def _mean(self, X: Any) -> np.ndarray:
         dist, _, targets = self._query(X, None)
         w = self._weights(dist)
         t = targets if targets.ndim == 3 else targets[:, :, None]
@@ -366,7 +389,8 @@ class KNeighborsRegressor(MultiOutputMixin, RegressorMixin, _NeighborsBase):
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """R^2 over every rank's query rows with `comm` (uniform average over targets)."""
-        pred = self.predict(X)
+        pred = self._mean(X)
+        y, sample_weight = device.host(y), device.host(sample_weight)
         if self.comm is None or self.comm.size == 1:
             return float(r2_score(y, pred, sample_weight=sample_weight))
         y2 = np.asarray(y, np.float64).reshape(len(pred), -1)
