@@ -23,6 +23,7 @@ def test_gpu_check_dry_run_on_cpu(capsys):
     for check in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"):
         assert results[("mpi", f"backend {check}")].startswith("PASS cpu"), results
     assert results[("mpi", "backend DDP step")].startswith("PASS"), results
+    assert results[("mpi", "backend FSDP2 step")].startswith("PASS cpu"), results
     for check in ("ml K-Means", "ml k-NN"):
         assert results[("torch", check)].startswith("PASS torch cpu tensors"), results
 

@@ -102,3 +102,17 @@ def test_torchrun_launch_fails_at_once_with_how_to_launch():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "hpdl launch -n N" in done.stderr and "mpiexec -n N" in done.stderr, done.stderr[-2000:]
+
+
+def test_import_torch_registers_the_backend_unless_autoload_is_off():
+    """The package's "torch.backends" entry point: `import torch` alone makes "hpdl" a backend; with torch's
+    autoload off (TORCH_DEVICE_BACKEND_AUTOLOAD=0) only `import hpdl` does."""
+    probe = (
+        "import sys, torch.distributed as dist; before = 'hpdl' in dist.Backend.backend_list; "
+        "import hpdl; print(before, 'hpdl' in dist.Backend.backend_list)"
+    )
+    for autoload, expected in (("1", "True True"), ("0", "False True")):
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD=autoload)
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == expected.split(), (autoload, done.stdout, done.stderr[-2000:])

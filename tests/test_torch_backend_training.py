@@ -102,7 +102,8 @@ def test_checkpoint_saved_sharded_loads_unsharded(ranks, tmp_path):
 
 
 def test_plain_mpiexec_ddp_and_a_failing_rank_ends_the_job():
-    """Under plain mpiexec (no MASTER_ADDR): DDP equals one process, and a rank that raises ends the job."""
+    """Under plain mpiexec (no MASTER_ADDR), a script that never imports hpdl: DDP equals one process, and a
+    rank that raises ends the job."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "MASTER_", "RANK", "WORLD_SIZE"))}
     env["PYTHONPATH"] = os.pathsep.join([TESTS, env.get("PYTHONPATH", "")])
     started = time.monotonic()
@@ -117,6 +118,7 @@ def test_plain_mpiexec_ddp_and_a_failing_rank_ends_the_job():
     )  # ranks' lines may interleave
     assert sorted(worst) == ["0", "1", "2"], output[-3000:]
     assert all(float(value) < TOL for value in worst.values()), worst
+    assert output.count("backend hpdl without importing hpdl") == 3, output[-3000:]  # torch's entry point
     assert "ValueError: the last rank fails on purpose" in output, output[-3000:]
     assert time.monotonic() - started < 200
 

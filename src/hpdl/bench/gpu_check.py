@@ -8,7 +8,7 @@ Prints one table (see ../shared/GPU.md):
 - one training step of the demo model on the GPU with and without
   DataParallel (the wrapper's overhead);
 - the "hpdl" torch.distributed backend on CUDA tensors (2 ranks): its
-  collectives against CPU tensors, and one DDP step;
+  collectives against CPU tensors, one DDP step and one FSDP2 step;
 - hpdl.ml's K-Means and k-NN on device arrays (CuPy when it is installed,
   else torch CUDA tensors) against the same fit on NumPy: same answers,
   and the speed-up.
@@ -194,8 +194,44 @@ def torch_backend(device: Any) -> list[tuple[str, str, str]]:
         results.append(("backend DDP step", "PASS" if diff < 1e-5 else "FAIL", f"{device}, grad diff {diff:.1e}"))
     except Exception as exc:
         results.append(("backend DDP step", "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
+    results.append(_fsdp2_step(device))
     dist.destroy_process_group()
     return results
+
+
+def _fsdp2_step(device: Any) -> tuple[str, str, str]:
+    """One FSDP2 step over the "hpdl" group (its all-gathers and reduce-scatters on `device` tensors) against the
+    same step of the plain model; every rank the same batch, so the sharded gradient is the local one. NCCL beside
+    it needs one GPU per rank, which a one-GPU machine does not have."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpdl.train.demo import build_model
+
+    try:
+        torch.manual_seed(0)
+        plain = build_model().to(device)
+        torch.manual_seed(0)
+        model = build_model().to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        fully_shard(model, mesh=mesh)
+        x, y = torch.randn(64, 1, 8, 8, device=device), torch.randint(0, 10, (64,), device=device)
+        started = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - started) * 1e3
+        F.cross_entropy(plain(x), y).backward()
+        diff = max(
+            float((a.grad.full_tensor() - b.grad).abs().max()) for a, b in zip(model.parameters(), plain.parameters())
+        )
+        detail = f"{device}, grad diff {diff:.1e}, {elapsed:.1f} ms (first step)"
+        return "backend FSDP2 step", "PASS" if diff < 1e-5 else "FAIL", detail
+    except Exception as exc:
+        return "backend FSDP2 step", "FAIL", f"{type(exc).__name__}: {exc}"[:200]
 
 
 def ml_on_device(device: Any) -> list[tuple[str, str, str]]:

@@ -12,6 +12,12 @@ imported:
   MASTER_ADDR/MASTER_PORT: rank 0 opens a TCPStore on a free port and
   broadcasts its address over MPI. torchrun-style variables, when present,
   are used exactly as before.
+
+Programs that never import hpdl get the same through the package's entry
+points: torch's device-backend autoload (group "torch.backends", torch >=
+2.5) calls `autoload` at the end of `import torch`, and torch >= 2.14 also
+looks "hpdl" up in "torch.distributed.backends" when it is first asked for.
+`TORCH_DEVICE_BACKEND_AUTOLOAD=0` turns the first off.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any, Iterator
 
 from hpdl.interop.import_hooks import when_imported
 
-__all__ = ["BACKEND_NAME", "register", "register_when_torch_loads"]
+__all__ = ["BACKEND_NAME", "register", "register_when_torch_loads", "autoload"]
 
 BACKEND_NAME = "hpdl"
 _registered = False
@@ -46,6 +52,26 @@ def register() -> None:
     if original is not None and not getattr(original, "_hpdl", False):
         rendezvous_module._rendezvous_handlers["env"] = _env_or_mpi(original)
     _registered = True
+
+
+def autoload() -> None:
+    """torch's "torch.backends" entry point, called inside `import torch`: register, and never break that import.
+
+    An error here would make torch's own import fail, so it becomes a warning
+    that says what happened; `init_process_group("hpdl")` then raises that
+    the backend is unknown, as it would without hpdl.
+    """
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - torch must import whatever happens here
+        import warnings
+
+        warnings.warn(
+            f"hpdl could not register its torch.distributed backend while torch was imported "
+            f"({type(exc).__name__}: {exc}); `import hpdl` registers it again",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def register_when_torch_loads() -> None:
