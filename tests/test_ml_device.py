@@ -2,7 +2,8 @@
 
 A CuPy array reaches the same code as a torch tensor on its GPU (through
 DLPack, no copy), so torch CPU tensors exercise the device path here, where
-there is no GPU: the torch kernels instead of the compiled NumPy loops, the
+there is no GPU (`device.CPU_TENSORS_ON_TORCH`; by default a CPU tensor is
+computed through NumPy, last test): the torch kernels instead of the compiled NumPy loops, the
 checks on the tensor, answers as tensors. They must equal the NumPy path's
 (float64: centres to 1e-9, labels and neighbours exactly, on tie-free data).
 `tests/test_ml_spmd.py` runs the same on two ranks.
@@ -15,8 +16,14 @@ import pytest
 import torch
 from sklearn.datasets import load_digits, load_iris, make_blobs
 
-from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors
+from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors, device
 from tie_free import jittered
+
+
+@pytest.fixture(autouse=True)
+def device_path_on_cpu_tensors(monkeypatch):
+    """CPU tensors take NumPy's path by default; here they must take the one a GPU array takes."""
+    monkeypatch.setattr(device, "CPU_TENSORS_ON_TORCH", True)
 
 
 def test_kmeans_on_a_tensor_equals_numpy_and_answers_in_tensors():
@@ -80,6 +87,8 @@ def test_bad_tensors_are_refused_in_scikit_learns_words():
         KMeans(2).fit(torch.where(X > 7.5, torch.nan, X))
     with pytest.raises(ValueError, match="Expected 2D array, got 1D array"):
         KMeans(2).fit(X[:, 0])
+    with pytest.raises(ValueError, match="Found array with dim 3. KMeans expected <= 2"):
+        KMeans(2).fit(X[None])
     with pytest.raises(ValueError, match=r"Found array with 0 sample\(s\)"):
         NearestNeighbors().fit(X[:0])
     with pytest.raises(ValueError, match="Complex data not supported"):
@@ -89,6 +98,8 @@ def test_bad_tensors_are_refused_in_scikit_learns_words():
         fitted.predict(X[:, :3])
     as_int = KMeans(2, init=X[:2].numpy(), n_init=1).fit(X.round().to(torch.int64))
     assert as_int.cluster_centers_.dtype == np.float64  # integers become float64, as check_array does
+    as_bf16 = KMeans(2, init=X[:2].numpy(), n_init=1).fit(X.to(torch.bfloat16))  # a dtype NumPy has not
+    assert as_bf16.cluster_centers_.dtype == np.float64
 
 
 def test_estimators_without_a_device_path_take_a_host_copy():
@@ -96,3 +107,18 @@ def test_estimators_without_a_device_path_take_a_host_copy():
     coef = LinearRegression().fit(torch.from_numpy(X), torch.from_numpy(y.astype(float))).coef_
     assert isinstance(coef, np.ndarray)
     np.testing.assert_allclose(coef, LinearRegression().fit(X, y.astype(float)).coef_, rtol=1e-12)
+
+
+def test_cpu_tensors_take_numpys_path_and_get_tensors_back(monkeypatch):
+    """By default a CPU tensor is a NumPy view: the compiled loops and scikit-learn's own k-means++ draws."""
+    monkeypatch.setattr(device, "CPU_TENSORS_ON_TORCH", False)
+    X = jittered(load_iris().data)
+    Xt = torch.from_numpy(X.copy())
+    ours, plain = KMeans(3, random_state=5).fit(Xt), KMeans(3, random_state=5).fit(X)
+    assert isinstance(ours.labels_, torch.Tensor) and isinstance(ours.predict(Xt), torch.Tensor)
+    np.testing.assert_array_equal(ours.labels_.numpy(), plain.labels_)
+    np.testing.assert_array_equal(ours.cluster_centers_, plain.cluster_centers_)  # the same draws, the same loops
+    grad = Xt.clone().requires_grad_(True)
+    dist, idx = NearestNeighbors(n_neighbors=3).fit(grad).kneighbors(grad[:20])
+    assert isinstance(dist, torch.Tensor) and not dist.requires_grad
+    np.testing.assert_array_equal(idx.numpy(), NearestNeighbors(n_neighbors=3).fit(X).kneighbors(X[:20])[1])

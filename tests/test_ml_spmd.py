@@ -16,7 +16,7 @@ import sklearn.neighbors
 import torch
 from sklearn.datasets import load_diabetes, load_digits, load_iris
 
-from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors, Ridge
+from hpdl.ml import KMeans, KNeighborsClassifier, KNeighborsRegressor, LinearRegression, NearestNeighbors, Ridge, device
 from ml_shards import bounds, first_ranks
 from tie_free import jittered
 
@@ -28,6 +28,14 @@ def body_all(comm, nranks: int, empty_rank, kind: str = "numpy"):
     if sub is None:
         return None
     T = (lambda a: torch.from_numpy(np.ascontiguousarray(a))) if kind == "torch" else (lambda a: a)  # noqa: E731
+    device.CPU_TENSORS_ON_TORCH = kind == "torch"  # CPU tensors on the path GPU arrays take (reset below)
+    try:
+        return _every_estimator(sub, T, kind, empty_rank)
+    finally:
+        device.CPU_TENSORS_ON_TORCH = False
+
+
+def _every_estimator(sub, T, kind: str, empty_rank) -> dict:
     out: dict = {"size": sub.size}
     # K-Means on iris (float64) with the same initial centres and with sample weights; k-means|| default
     X = jittered(load_iris().data)  # tie-free (tie_free.py): labels compared with scikit-learn's

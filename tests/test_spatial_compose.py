@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpdl.checkpoint
+from hpdl.checkpoint.format import read_metadata
 from hpdl.parallel import Mesh, Pipeline, Plan, build
+from hpdl.parallel.mesh import full_state
+from hpdl.parallel.mesh import state as mesh_state
 from hpdl.parallel.spatial import ChannelParallelConv, FilterParallelConv, SpatialParallel, shard
 from hpdl.parallel.tensor import full_state_dict
 from spatial_models import make_data, make_net, train
@@ -87,14 +90,25 @@ def test_sample_and_spatial_parallel_dp2_sp2_equals_one_process_on_the_whole_bat
         assert_state(state, want["state"], f"rank {rank}")
 
 
-def dp_sp_from_a_plan(comm):
-    """The same dp2 x sp2 training, built by hpdl.parallel.build from a plan (sp innermost: {0,1} and {2,3})."""
+def dp_sp_from_a_plan(comm, path: str):
+    """The same dp2 x sp2 training, built by hpdl.parallel.build from a plan (sp innermost: {0,1} and {2,3});
+    its mesh checkpoint loads into a plain model (the plain names, one copy of each weight)."""
     plan = Plan(dp=2, sp=2)
     mesh = Mesh.from_plan(comm, plan)
     model, _ = build(make_net(2, batch_norm=False), mesh, plan)
     dp, sp = mesh.coordinates()["dp"], mesh.sp
     x, y = make_data4((23, 7))
     got = train(model, x[:, 2 * dp : 2 * dp + 2], y[:, 2 * dp : 2 * dp + 2], "sgd", prepare=lambda t: shard(t, sp, 2))
+    full = full_state(model, None, mesh)["model"]  # the plain model's names, from the mesh's view
+    assert all(torch.equal(full[k], v) for k, v in model.module.state_dict().items()) and full.keys() == set(
+        model.module.state_dict()
+    )
+    mesh_state.save(path, model, None, mesh)
+    chunks = {name: len(entry["chunks"]) for name, entry in read_metadata(path)["tensors"].items()}
+    assert set(chunks.values()) == {1}, chunks  # one rank of the four wrote each weight
+    plain = make_net(2, batch_norm=False)
+    mesh_state.load(path, plain)
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in model.module.state_dict().items())
     groups = {
         "sp": mesh.sp.allgather(torch.tensor([comm.rank])).tolist(),
         "dp": mesh.dp.allgather(torch.tensor([comm.rank])).tolist(),
@@ -104,10 +118,11 @@ def dp_sp_from_a_plan(comm):
     return {k.removeprefix("module."): v for k, v in got["state"].items()}, groups, type(model).__name__
 
 
-def test_build_of_a_dp2_sp2_plan_equals_one_process_on_the_whole_batch(ranks):
+def test_build_of_a_dp2_sp2_plan_equals_one_process_on_the_whole_batch(ranks, tmp_path):
     x, y = make_data4((23, 7))
     want = train(make_net(2, batch_norm=False), x, y, "sgd")
-    for rank, (state, groups, kind) in enumerate(ranks("mpi", 4).run(dp_sp_from_a_plan, timeout=120)):
+    results = ranks("mpi", 4).run(dp_sp_from_a_plan, str(tmp_path / "ckpt"), timeout=120)
+    for rank, (state, groups, kind) in enumerate(results):
         assert kind == "SpatialParallel"
         assert groups == {
             "sp": [rank - rank % 2, rank - rank % 2 + 1],

@@ -116,3 +116,16 @@ def test_import_torch_registers_the_backend_unless_autoload_is_off():
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.split() == expected.split(), (autoload, done.stdout, done.stderr[-2000:])
+
+
+def test_a_failing_registration_never_breaks_import_torch():
+    """Whatever goes wrong in hpdl's registration, `import torch` (which calls the entry point) succeeds."""
+    probe = (
+        "import warnings; warnings.simplefilter('always'); import hpdl.interop.registration as r\n"
+        "def broken(): raise OSError('no store today')\n"
+        "r.register = broken\n"
+        "import torch.distributed as dist; print('imported', 'hpdl' in dist.Backend.backend_list)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["imported", "False"], done.stderr[-2000:]
+    assert "could not register its torch.distributed backend (OSError: no store today)" in done.stderr

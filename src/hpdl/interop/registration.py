@@ -59,7 +59,8 @@ def autoload() -> None:
 
     An error here would make torch's own import fail, so it becomes a warning
     that says what happened; `init_process_group("hpdl")` then raises that
-    the backend is unknown, as it would without hpdl.
+    the backend is unknown, as it would without hpdl. (`import hpdl`, which
+    loading this entry point does first, registers through the same guard.)
     """
     try:
         register()
@@ -67,8 +68,8 @@ def autoload() -> None:
         import warnings
 
         warnings.warn(
-            f"hpdl could not register its torch.distributed backend while torch was imported "
-            f"({type(exc).__name__}: {exc}); `import hpdl` registers it again",
+            f"hpdl could not register its torch.distributed backend ({type(exc).__name__}: {exc}); "
+            'init_process_group("hpdl") will not find it',
             RuntimeWarning,
             stacklevel=2,
         )
@@ -76,7 +77,7 @@ def autoload() -> None:
 
 def register_when_torch_loads() -> None:
     """Register now if torch is loaded, else once `import torch` has finished (torch itself is not imported here)."""
-    when_imported("torch", register)
+    when_imported("torch", autoload)  # guarded: torch may be mid-import here (its entry point loads hpdl)
 
 
 def _create(backend_options: Any, pg_options: Any) -> Any:

@@ -44,7 +44,8 @@ def usable(X: Any, xsq: Any, w: Any) -> bool:
 
 
 class State:
-    """What a block keeps between iterations: labels (-1 before the first), both bounds, and its sums and weights."""
+    """What a block keeps between iterations: labels (-1 before the first), both bounds, its sums and weights, and
+    its rows per centre (exact, so that an emptied centre is exactly empty)."""
 
     def __init__(self, n: int, k: int, d: int):
         self.labels = np.full(n, -1, np.int32)
@@ -52,6 +53,7 @@ class State:
         self.lower = np.zeros(n)
         self.sums = np.zeros((k, d))
         self.counts = np.zeros(k)
+        self.members = np.zeros(k, np.int64)
 
 
 def moves_between(old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -189,6 +191,7 @@ def _assign(
             state.lower,
             state.sums,
             state.counts,
+            state.members,
             b1,
             b2,
             jl,

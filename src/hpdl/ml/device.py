@@ -3,7 +3,9 @@
 cuML's convention: an estimator given a device array computes on that
 device and answers with arrays of the same kind (`labels_`, `predict`,
 `transform`, `kneighbors`); the fitted parameters (`cluster_centers_`) are
-small and stay NumPy. The kernels' torch path does the work on the tensor's
+small and stay NumPy. A tensor on the CPU is computed through NumPy (a view
+of the same memory, so the compiled loops and scikit-learn's own
+initialisation serve it) and answered with tensors. The kernels' torch path does the work on the tensor's
 own device; what crosses to the host are the small partial results that
 every mode reduces (per-centre sums, candidate neighbours), so the same
 estimator also runs on MPI ranks with one GPU each.
@@ -19,7 +21,10 @@ import torch
 
 from hpdl.ml.base import numpy_dtype
 
-__all__ = ["is_device_array", "as_tensor", "validate", "host", "like"]
+__all__ = ["is_device_array", "stays_on_device", "as_tensor", "validate", "host", "like"]
+
+CPU_TENSORS_ON_TORCH = False
+"""True computes CPU tensors on the torch path, the one a GPU array takes (tests flip it: there is no GPU here)."""
 
 
 def is_device_array(X: Any) -> bool:
@@ -31,6 +36,11 @@ def is_device_array(X: Any) -> bool:
     return not type(X).__module__.startswith("dask.")
 
 
+def stays_on_device(X: Any) -> bool:
+    """Whether a device array is computed where it lives: on a GPU (or any device but the CPU), not on the CPU."""
+    return as_tensor(X).device.type != "cpu" or CPU_TENSORS_ON_TORCH
+
+
 def as_tensor(X: Any) -> torch.Tensor:
     """A torch view of a device array (the same memory)."""
     return X if isinstance(X, torch.Tensor) else torch.from_dlpack(X)
@@ -39,7 +49,9 @@ def as_tensor(X: Any) -> torch.Tensor:
 def validate(X: Any, *, dtype: Sequence[Any], allow_empty: bool, estimator: str, name: str = "X") -> torch.Tensor:
     """scikit-learn's checks of `check_array` on the device: 2-D, numeric, finite; a dtype from `dtype` (else the
     first of them), C-contiguous. Raises what `check_array` raises, with its words."""
-    t = as_tensor(X)
+    t = as_tensor(X).detach()
+    if t.ndim > 2:
+        raise ValueError(f"Found array with dim {t.ndim}. {estimator} expected <= 2.")
     if t.ndim != 2:
         raise ValueError(
             f"Expected 2D array, got {t.ndim}D array instead. Reshape your data either using array.reshape(-1, 1) if "
@@ -48,7 +60,8 @@ def validate(X: Any, *, dtype: Sequence[Any], allow_empty: bool, estimator: str,
     if t.is_complex():
         raise ValueError("Complex data not supported")
     choices = [numpy_dtype(d) for d in dtype if d is not None] or [np.dtype(np.float64)]
-    if numpy_dtype(t.dtype) not in choices:
+    own = _numpy_name(t.dtype)
+    if own is None or own not in choices:  # (NumPy reads None as float64: ask first)
         t = t.to(getattr(torch, choices[0].name))
     rows, features = t.shape
     for count, what in ((rows, "sample"), (features, "feature")):
@@ -61,6 +74,14 @@ def validate(X: Any, *, dtype: Sequence[Any], allow_empty: bool, estimator: str,
         what = "NaN" if bool(torch.isnan(t).any()) else "infinity or a value too large for " + repr(choices[0])
         raise ValueError(f"Input {name} contains {what}.")
     return t.contiguous()
+
+
+def _numpy_name(dtype: torch.dtype) -> Any:
+    """NumPy's dtype of a torch dtype, or None for one NumPy lacks (bfloat16, float8): converted like any other."""
+    try:
+        return numpy_dtype(dtype)
+    except TypeError:
+        return None
 
 
 def host(a: Any) -> Any:

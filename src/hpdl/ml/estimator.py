@@ -83,7 +83,7 @@ class DistributedMixin:
             return X
         allow_empty = self.comm is not None and self.comm.size > 1
         Xv: Any
-        if device.is_device_array(X) and not self._on_device:
+        if device.is_device_array(X) and not (self._on_device and device.stays_on_device(X)):
             X = device.host(device.as_tensor(X))
         if device.is_device_array(X):
             Xv = device.validate(X, dtype=[dtype], allow_empty=allow_empty, estimator=name)

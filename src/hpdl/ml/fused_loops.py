@@ -161,14 +161,17 @@ def bounds_tighten(X, xsq, rows, lab, upper, lower, half, C, picked, picked_sq, 
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def bounds_reassign(DT, xsq, rows, X, w, use_w, err, cmax, lab, upper, lower, sums, counts, b1, b2, jl):  # type: ignore[no-untyped-def]
+def bounds_reassign(DT, xsq, rows, X, w, use_w, err, cmax, lab, upper, lower, sums, counts, members, b1, b2, jl):  # type: ignore[no-untyped-def]
     """Labels and bounds of the rows `rows` from their distance block (k x m, ||c||^2 - 2 c.x), and the sums' update.
 
     Both bounds allow for the product's rounding (`err` x (||x||^2 + `cmax`,
     the largest ||c||^2)): the upper is raised by it, the lower lowered, so
     rounding never lets a row skip a test it should take. A row whose label
     changes moves its (weighted) values from its old centre's sums to the
-    new one's; a row without a label yet (-1) only adds.
+    new one's; a row without a label yet (-1) only adds. `members` counts
+    the rows per centre exactly: a centre left without rows gets sums and
+    weight of exactly 0 (subtracted fractional weights would leave a residue
+    that hides an empty cluster).
     """
     k, m = DT.shape
     d = X.shape[1]
@@ -197,12 +200,18 @@ def bounds_reassign(DT, xsq, rows, X, w, use_w, err, cmax, lab, upper, lower, su
             lab[i] = a
             wi = w[i] if use_w else 1.0
             counts[a] += wi
+            members[a] += 1
             if old >= 0:
                 counts[old] -= wi
+                members[old] -= 1
                 for f in range(d):
                     value = wi * X[i, f]
                     sums[a, f] += value
                     sums[old, f] -= value
+                if members[old] == 0:
+                    counts[old] = 0.0
+                    for f in range(d):
+                        sums[old, f] = 0.0
             else:
                 for f in range(d):
                     sums[a, f] += wi * X[i, f]

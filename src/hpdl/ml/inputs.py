@@ -40,13 +40,16 @@ def make_shards(
     `extra` are row-aligned companions of X (sample weights, targets) or
     None; `extra_checks(X, extra)` validates them against the checked X and
     returns them as arrays (it runs on the rank, so its error is shared).
-    A device array (torch tensor, CuPy through DLPack) is validated on its
-    device and stays there when the estimator computes `on_device`; its
-    companions are checked and kept on the host. Other estimators get it
-    copied to the host, as scikit-learn's `check_array` would.
+    A device array (CuPy through DLPack, a torch tensor on a GPU) is
+    validated on its device and stays there when the estimator computes
+    `on_device`; its companions are checked and kept on the host. Other
+    estimators, and CPU tensors, get a host copy (a view of a CPU tensor's
+    memory), companions included, as scikit-learn's `check_array` would.
     """
-    if not on_device and device.is_device_array(X):
+    if device.is_device_array(X) and not (on_device and device.stays_on_device(X)):
+        # a host copy, as check_array makes (a view of a CPU tensor's memory), companions too
         X = device.host(device.as_tensor(X))
+        extra = [device.host(device.as_tensor(e)) if device.is_device_array(e) else e for e in extra]
     if is_dask_array(X):
         return DaskShards.build(X, extra, dtype=dtype, estimator=estimator)
     distributed = comm is not None and comm.size > 1

@@ -414,15 +414,15 @@ class KMeans(DistributedMixin, ClassNamePrefixFeaturesOutMixin, TransformerMixin
     def predict(self, X: Any) -> Any:
         """Index of the nearest centre of each row (local rows with `comm`; a lazy Dask array for Dask input)."""
         self._check_fitted("cluster_centers_")
-        X = self._check_predict_input(X, self.cluster_centers_.dtype)
-        return device.like(self._map(X, _predict_block, self.cluster_centers_, dtype=np.int32), X)
+        rows = self._check_predict_input(X, self.cluster_centers_.dtype)
+        return device.like(self._map(rows, _predict_block, self.cluster_centers_, dtype=np.int32), X)
 
     def transform(self, X: Any) -> Any:
         """Euclidean distance of each row to every centre."""
         self._check_fitted("cluster_centers_")
-        X = self._check_predict_input(X, self.cluster_centers_.dtype)
+        rows = self._check_predict_input(X, self.cluster_centers_.dtype)
         out = self._map(
-            X, _transform_block, self.cluster_centers_, dtype=self.cluster_centers_.dtype, tail=(self.n_clusters,)
+            rows, _transform_block, self.cluster_centers_, dtype=self.cluster_centers_.dtype, tail=(self.n_clusters,)
         )
         return device.like(out, X)
 

@@ -71,6 +71,7 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
         if getattr(self, "algorithm", "auto") not in ("auto", "brute"):
             raise ValueError(f"algorithm={self.algorithm!r}: hpdl.ml searches by brute force; use 'auto' or 'brute'")
         shards = self._shards(X, targets or [], check=check)
+        self._fitted_kind = X[:0] if device.is_device_array(X) else None  # what kneighbors() answers in
         self._shards_fit = shards.transform(_index_block)
         self.n_samples_fit_ = shards.n_samples
         self.effective_metric_ = self._fit_metric
@@ -83,7 +84,7 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
         rank (or all, in one process), each excluding itself, as scikit-learn.
         """
         dist, idx, _ = self._query(X, n_neighbors)
-        like = self._own_rows() if X is None else X  # a device array in: device arrays out
+        like = self._fitted_kind if X is None else X  # a device array in: device arrays out
         dist, idx = device.like(dist, like), device.like(idx, like)
         return (dist, idx) if return_distance else idx
 
@@ -153,6 +154,8 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
             X = X.compute()
         allow_empty = self.comm is not None and self.comm.size > 1
         Xv: Any
+        if device.is_device_array(X) and not device.stays_on_device(X):
+            X = device.host(device.as_tensor(X))  # a CPU tensor: NumPy's path, on a view of its memory
         if device.is_device_array(X):
             Xv = device.validate(
                 X, dtype=[self._shards_fit.dtype], allow_empty=allow_empty, estimator=type(self).__name__

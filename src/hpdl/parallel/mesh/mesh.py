@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 from hpdl.comm.base import Communicator
 from hpdl.parallel.mesh.plan_config import AXES, DEGREES, Plan, PlanError, full_placement, resolve_degrees
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "group_members"]
 
 log = logging.getLogger(__name__)
 
@@ -112,32 +112,31 @@ class Mesh:
         for axis, value in coords.items():
             if not 0 <= value < self.shape[axis]:
                 raise ValueError(f"Mesh.rank_of: {axis}={value} is outside 0..{self.shape[axis] - 1}")
-        rank, stride = 0, 1
-        for axis in self.placement:
-            rank += coords[axis] * stride
-            stride *= self.shape[axis]
-        return rank
+        return _rank(self.shape, self.placement, coords)
 
     @property
     def size(self) -> int:
         return self.world.size
 
     def _warn_if_tp_crosses_nodes(self) -> None:
-        """Tensor and spatial groups talk in every layer: say so when one spans more than a node."""
+        """Tensor and spatial groups talk in every layer: say so when this rank's group spans more than a node.
+
+        Launchers place consecutive world ranks on one node, `local_size` of them per node.
+        """
         local = self.world.local_size
         for axis, what in (("tp", "tensor-parallel"), ("sp", "spatial")):
             size = self.shape[axis]
             if size == 1 or local <= 1 or local >= self.world.size:
                 continue
-            stride = math.prod(self.shape[a] for a in self.placement[: self.placement.index(axis)])
-            span = stride * (size - 1) + 1
-            if span > local or local % size:
+            members = group_members(self.shape, self.placement, self.coords, axis)
+            nodes = sorted({rank // local for rank in members})
+            if len(nodes) > 1:
                 log.warning(
-                    "Mesh: %s groups of %d ranks (spanning %d consecutive ranks) do not fit in a node of %d ranks: "
-                    "every layer's exchange crosses nodes. Put %r first in placement and keep %s <= %d.",
+                    "Mesh: the %s group of ranks %s spans nodes %s (%d ranks a node): every layer's exchange "
+                    "crosses nodes. Put %r first in placement and keep %s <= %d.",
                     what,
-                    size,
-                    span,
+                    members,
+                    nodes,
                     local,
                     axis,
                     axis,
@@ -170,3 +169,17 @@ class Mesh:
         for sub in reversed(list(self._groups.values())):
             sub.close()
         self._groups.clear()
+
+
+def _rank(shape: dict[str, int], placement: Sequence[str], coords: dict[str, int]) -> int:
+    """rank = c0 + n0 * (c1 + n1 * (...)) along the placement, innermost first."""
+    rank, stride = 0, 1
+    for axis in placement:
+        rank += coords[axis] * stride
+        stride *= shape[axis]
+    return rank
+
+
+def group_members(shape: dict[str, int], placement: Sequence[str], coords: dict[str, int], axis: str) -> list[int]:
+    """The world ranks of the `axis` group through `coords` (the ranks that differ from it along `axis` only)."""
+    return [_rank(shape, placement, {**coords, axis: index}) for index in range(shape[axis])]

@@ -30,6 +30,7 @@ from hpdl.checkpoint.format import METADATA, read_metadata, shard_name, write_me
 from hpdl.checkpoint.reader import ShardReader
 from hpdl.comm.base import Communicator
 from hpdl.parallel.data import DataParallel
+from hpdl.parallel.spatial import SpatialParallel
 from hpdl.parallel.tensor import TPShard, tp_shards
 from hpdl.parallel.zero_redundancy import ZeroModel
 
@@ -69,7 +70,7 @@ def view_of(model: Any) -> _View:
 
         wrapper = model.module if model.module is not layers else None
         return _View(layers, wrapper, logical, local)
-    if isinstance(model, (DataParallel, ZeroModel)):
+    if isinstance(model, (DataParallel, ZeroModel, SpatialParallel)):  # spatial: weights whole on every rank
         return _View(model.module, model, _same, _same)
     if isinstance(model, nn.Module):
         return _View(model, None, _same, _same)
@@ -302,7 +303,7 @@ def save(path: str, model: Any, optimizer: Optional[torch.optim.Optimizer], mesh
             box = tuple((o, o + n) for o, n in zip(offsets, sizes))
             entry["chunks"].append({"file": file, "key": key, "box": box})
 
-    if mesh.dp.rank == 0:
+    if mesh.dp.rank == 0 and mesh.sp.rank == 0:  # a spatial group's ranks hold the same whole weights
         for name, t in model_local.items():
             add(f"model/{view.logical(name)}", t, shards.get(name), "param" if name in params else "replicated")
         for name, st in opt_local.items():
