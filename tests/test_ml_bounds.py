@@ -81,17 +81,18 @@ def test_settled_rows_skip_the_product(monkeypatch):
 
 
 def test_weighted_rows_that_leave_a_centre_leave_it_exactly_empty():
-    """Weights 0.1 + 0.2 + 0.3 added and then subtracted leave 5.6e-17, not 0: without an exact row count the
-    centre that lost its rows would look non-empty and escape the empty-cluster relocation."""
-    X = np.array([[0.0, 0.0], [0.1, 0.0], [10.0, 0.0], [10.1, 0.0], [5.0, 0.0], [5.1, 0.0], [5.2, 0.0]])
-    w = np.array([1.0, 1.0, 1.0, 1.0, 0.1, 0.2, 0.3])
+    """Weights 0.1 + 0.2 + 0.3 added and then subtracted leave 5.6e-17, not 0: without an exact count of its rows
+    of non-zero weight the centre they left (keeping only a row of weight 0) would look non-empty and escape the
+    empty-cluster relocation, as plain Lloyd's sums would not."""
+    X = np.array([[0.0, 0.0], [0.1, 0.0], [10.0, 0.0], [10.1, 0.0], [5.0, 0.0], [5.1, 0.0], [5.2, 0.0], [5.5, 2.9]])
+    w = np.array([1.0, 1.0, 1.0, 1.0, 0.1, 0.2, 0.3, 0.0])
     xsq = kernels.row_sq_norms(X)
     state = bounds.State(len(X), 3, 2)
     first = np.array([[0.0, 0.0], [10.0, 0.0], [5.1, 0.0]])
     bounds.partial(X, xsq, w, first, None, state)
     assert state.counts[2] == 0.1 + 0.2 + 0.3 != 0.6  # the rounded sum the subtraction cannot undo
-    moved = np.array([[4.0, 0.0], [10.0, 0.0], [50.0, 0.0]])  # the middle rows go to centre 0; centre 2 is left
+    moved = np.array([[5.05, 0.0], [10.0, 0.0], [5.5, 3.0]])  # the weighted middle rows go to centre 0
     sums, counts = bounds.partial(X, xsq, w, moved, bounds.moves_between(first, moved), state)
-    np.testing.assert_array_equal(state.labels, [0, 0, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(state.labels, [0, 0, 1, 1, 0, 0, 0, 2])
     assert counts[2] == 0.0 and not sums[2].any() and state.members.tolist() == [5, 2, 0]
     np.testing.assert_allclose(sums[0], (w[[0, 1, 4, 5, 6], None] * X[[0, 1, 4, 5, 6]]).sum(0), rtol=1e-15)

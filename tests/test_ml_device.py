@@ -11,6 +11,8 @@ checks on the tensor, answers as tensors. They must equal the NumPy path's
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_bad_tensors_are_refused_in_scikit_learns_words():
         KMeans(2).fit(torch.where(X > 7.5, torch.nan, X))
     with pytest.raises(ValueError, match="Expected 2D array, got 1D array"):
         KMeans(2).fit(X[:, 0])
-    with pytest.raises(ValueError, match="Found array with dim 3. KMeans expected <= 2"):
+    with pytest.raises(ValueError, match="Found array with dim 3, while dim <= 2 is required by KMeans"):
         KMeans(2).fit(X[None])
     with pytest.raises(ValueError, match=r"Found array with 0 sample\(s\)"):
         NearestNeighbors().fit(X[:0])
@@ -119,6 +121,9 @@ def test_cpu_tensors_take_numpys_path_and_get_tensors_back(monkeypatch):
     np.testing.assert_array_equal(ours.labels_.numpy(), plain.labels_)
     np.testing.assert_array_equal(ours.cluster_centers_, plain.cluster_centers_)  # the same draws, the same loops
     grad = Xt.clone().requires_grad_(True)
-    dist, idx = NearestNeighbors(n_neighbors=3).fit(grad).kneighbors(grad[:20])
+    fitted = NearestNeighbors(n_neighbors=3).fit(grad)
+    dist, idx = fitted.kneighbors(grad[:20])
     assert isinstance(dist, torch.Tensor) and not dist.requires_grad
+    assert isinstance(copy.deepcopy(fitted).kneighbors()[1], torch.Tensor)  # X=None: the fitted input's kind
+    assert KMeans(2, n_init=1).fit(Xt.bfloat16()).cluster_centers_.dtype == np.float64  # NumPy has no bfloat16
     np.testing.assert_array_equal(idx.numpy(), NearestNeighbors(n_neighbors=3).fit(X).kneighbors(X[:20])[1])

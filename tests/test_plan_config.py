@@ -143,21 +143,14 @@ def test_describe_names_every_setting():
 
 
 def test_group_members_say_which_groups_cross_a_node():
-    """dp3 x tp2 x pp2 on 12 ranks placed (dp, tp, pp), 4 ranks a node: tp groups {1, 4} and {2, 5} cross a node
-    boundary although a tp group (2) fits in a node; placed (tp, ...) every tp group stays inside one."""
-    from hpdl.parallel.mesh.mesh import group_members
+    """dp3 x tp2 x pp2 on 12 ranks placed (dp, tp, pp), 4 ranks a node: tp groups {1, 4}, {2, 5}, {6, 9}, {7, 10}
+    cross a node boundary although a tp group (2) fits in a node; placed (tp, ...) none does."""
+    from hpdl.parallel.mesh.mesh import crossing_groups, group_members
 
     shape = {"dp": 3, "pp": 2, "tp": 2, "sp": 1}
     spread = ("dp", "tp", "sp", "pp")
     assert group_members(shape, spread, {"dp": 1, "pp": 0, "tp": 0, "sp": 0}, "tp") == [1, 4]
-    assert group_members(shape, spread, {"dp": 2, "pp": 0, "tp": 0, "sp": 0}, "tp") == [2, 5]
-    groups = [
-        group_members(shape, spread, {"dp": d, "pp": p, "tp": 0, "sp": 0}, "tp") for d in range(3) for p in range(2)
-    ]
-    crossing = {tuple(members) for members in groups if len({r // 4 for r in members}) > 1}
-    assert crossing == {(1, 4), (2, 5), (6, 9), (7, 10)}
-    inner = ("tp", "sp", "dp", "pp")
-    for dp in range(3):
-        for pp in range(2):
-            members = group_members(shape, inner, {"dp": dp, "pp": pp, "tp": 0, "sp": 0}, "tp")
-            assert len({r // 4 for r in members}) == 1, members
+    assert sorted(crossing_groups(shape, spread, "tp", 4)) == [[1, 4], [2, 5], [6, 9], [7, 10]]
+    assert crossing_groups(shape, ("tp", "sp", "dp", "pp"), "tp", 4) == []
+    assert crossing_groups(shape, spread, "sp", 4) == []  # sp = 1: no group to cross
+    assert crossing_groups({"dp": 1, "pp": 1, "tp": 1, "sp": 8}, ("tp", "sp", "dp", "pp"), "sp", 4) == [list(range(8))]

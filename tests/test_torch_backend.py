@@ -119,13 +119,34 @@ def test_import_torch_registers_the_backend_unless_autoload_is_off():
 
 
 def test_a_failing_registration_never_breaks_import_torch():
-    """Whatever goes wrong in hpdl's registration, `import torch` (which calls the entry point) succeeds."""
-    probe = (
-        "import warnings; warnings.simplefilter('always'); import hpdl.interop.registration as r\n"
-        "def broken(): raise OSError('no store today')\n"
-        "r.register = broken\n"
-        "import torch.distributed as dist; print('imported', 'hpdl' in dist.Backend.backend_list)"
-    )
+    """Whatever goes wrong in hpdl's registration, `import torch` (which calls the entry point, which imports hpdl,
+    which registers while torch is still importing) succeeds, with a warning. The probe breaks `register` as its
+    module finishes loading, so the failure happens on that path."""
+    probe = """
+import importlib.abc, importlib.machinery, sys, warnings
+warnings.simplefilter("always")
+
+class Break(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "hpdl.interop.registration":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            def broken():
+                raise OSError("no store today")
+            module.register = broken
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, Break())
+import torch.distributed as dist
+print("imported", "hpdl" in dist.Backend.backend_list, "hpdl" in sys.modules)
+"""
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.split() == ["imported", "False"], done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.split() == ["imported", "False", "True"], done.stderr[-2000:]
     assert "could not register its torch.distributed backend (OSError: no store today)" in done.stderr

@@ -45,7 +45,7 @@ def usable(X: Any, xsq: Any, w: Any) -> bool:
 
 class State:
     """What a block keeps between iterations: labels (-1 before the first), both bounds, its sums and weights, and
-    its rows per centre (exact, so that an emptied centre is exactly empty)."""
+    its rows of non-zero weight per centre (exact, so that an emptied centre is exactly empty)."""
 
     def __init__(self, n: int, k: int, d: int):
         self.labels = np.full(n, -1, np.int32)

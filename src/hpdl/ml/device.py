@@ -51,7 +51,7 @@ def validate(X: Any, *, dtype: Sequence[Any], allow_empty: bool, estimator: str,
     first of them), C-contiguous. Raises what `check_array` raises, with its words."""
     t = as_tensor(X).detach()
     if t.ndim > 2:
-        raise ValueError(f"Found array with dim {t.ndim}. {estimator} expected <= 2.")
+        raise ValueError(f"Found array with dim {t.ndim}, while dim <= 2 is required by {estimator}.")
     if t.ndim != 2:
         raise ValueError(
             f"Expected 2D array, got {t.ndim}D array instead. Reshape your data either using array.reshape(-1, 1) if "
@@ -85,8 +85,16 @@ def _numpy_name(dtype: torch.dtype) -> Any:
 
 
 def host(a: Any) -> Any:
-    """A NumPy array of a tensor (copied from the device); anything else as it is."""
-    return a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a
+    """A NumPy array of a tensor (copied from the device; a view of a CPU tensor); anything else as it is.
+
+    A dtype NumPy lacks (bfloat16, float8) becomes float64 first, as `check_array` makes other dtypes.
+    """
+    if not isinstance(a, torch.Tensor):
+        return a
+    a = a.detach()
+    if _numpy_name(a.dtype) is None:
+        a = a.to(torch.float64)
+    return a.cpu().numpy()
 
 
 def like(result: Any, X: Any) -> Any:

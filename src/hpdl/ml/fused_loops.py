@@ -169,9 +169,9 @@ def bounds_reassign(DT, xsq, rows, X, w, use_w, err, cmax, lab, upper, lower, su
     rounding never lets a row skip a test it should take. A row whose label
     changes moves its (weighted) values from its old centre's sums to the
     new one's; a row without a label yet (-1) only adds. `members` counts
-    the rows per centre exactly: a centre left without rows gets sums and
-    weight of exactly 0 (subtracted fractional weights would leave a residue
-    that hides an empty cluster).
+    the rows of non-zero weight per centre exactly: a centre left without
+    them gets sums and weight of exactly 0 (subtracted fractional weights
+    would leave a residue that hides an empty cluster).
     """
     k, m = DT.shape
     d = X.shape[1]
@@ -200,10 +200,12 @@ def bounds_reassign(DT, xsq, rows, X, w, use_w, err, cmax, lab, upper, lower, su
             lab[i] = a
             wi = w[i] if use_w else 1.0
             counts[a] += wi
-            members[a] += 1
+            if wi != 0:
+                members[a] += 1
             if old >= 0:
                 counts[old] -= wi
-                members[old] -= 1
+                if wi != 0:
+                    members[old] -= 1
                 for f in range(d):
                     value = wi * X[i, f]
                     sums[a, f] += value

@@ -71,7 +71,8 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
         if getattr(self, "algorithm", "auto") not in ("auto", "brute"):
             raise ValueError(f"algorithm={self.algorithm!r}: hpdl.ml searches by brute force; use 'auto' or 'brute'")
         shards = self._shards(X, targets or [], check=check)
-        self._fitted_kind = X[:0] if device.is_device_array(X) else None  # what kneighbors() answers in
+        # what kneighbors() answers in: an empty array of X's kind (a slice would keep X alive)
+        self._fitted_kind = device.like(np.zeros(0, np.int8), X) if device.is_device_array(X) else None
         self._shards_fit = shards.transform(_index_block)
         self.n_samples_fit_ = shards.n_samples
         self.effective_metric_ = self._fit_metric

@@ -21,6 +21,7 @@ from hpdl.parallel.mesh.mesh import Mesh
 from hpdl.parallel.mesh.plan_config import DEGREES, Plan, PlanError
 from hpdl.parallel.mesh.state import LAYER_NAMES
 from hpdl.parallel.pipe import Pipeline
+from hpdl.parallel.spatial import SpatialParallel
 from hpdl.parallel.tensor import parallelize
 from hpdl.parallel.zero_redundancy import zero
 
@@ -108,8 +109,6 @@ def _build_spatial(
     optimizer_options: dict[str, Any],
 ) -> tuple[Any, torch.optim.Optimizer]:
     """Sample + spatial parallelism: slabs over mesh.sp; gradients averaged over dp x sp equal one process's."""
-    from hpdl.parallel.spatial import SpatialParallel  # lazy: only spatial plans load it
-
     grads = mesh.group("dp", "sp")
     wrapped = SpatialParallel(model, mesh.sp, plan.spatial_dim, grad_comm=grads, bucket_mb=plan.bucket_mb)
     return wrapped, optimizer(wrapped.parameters(), **optimizer_options)

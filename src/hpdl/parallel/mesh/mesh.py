@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 from hpdl.comm.base import Communicator
 from hpdl.parallel.mesh.plan_config import AXES, DEGREES, Plan, PlanError, full_placement, resolve_degrees
 
-__all__ = ["Mesh", "group_members"]
+__all__ = ["Mesh", "group_members", "crossing_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -119,25 +119,23 @@ class Mesh:
         return self.world.size
 
     def _warn_if_tp_crosses_nodes(self) -> None:
-        """Tensor and spatial groups talk in every layer: say so when this rank's group spans more than a node.
+        """Tensor and spatial groups talk in every layer: rank 0 says which of them span more than a node.
 
         Launchers place consecutive world ranks on one node, `local_size` of them per node.
         """
         local = self.world.local_size
+        if self.world.rank != 0 or local <= 1 or local >= self.world.size:
+            return
         for axis, what in (("tp", "tensor-parallel"), ("sp", "spatial")):
-            size = self.shape[axis]
-            if size == 1 or local <= 1 or local >= self.world.size:
-                continue
-            members = group_members(self.shape, self.placement, self.coords, axis)
-            nodes = sorted({rank // local for rank in members})
-            if len(nodes) > 1:
+            crossing = crossing_groups(self.shape, self.placement, axis, local)
+            if crossing:
                 log.warning(
-                    "Mesh: the %s group of ranks %s spans nodes %s (%d ranks a node): every layer's exchange "
-                    "crosses nodes. Put %r first in placement and keep %s <= %d.",
+                    "Mesh: %d %s group(s) span nodes of %d ranks (e.g. ranks %s): every layer's exchange crosses "
+                    "nodes. Put %r first in placement and keep %s <= %d.",
+                    len(crossing),
                     what,
-                    members,
-                    nodes,
                     local,
+                    crossing[0],
                     axis,
                     axis,
                     local,
@@ -183,3 +181,19 @@ def _rank(shape: dict[str, int], placement: Sequence[str], coords: dict[str, int
 def group_members(shape: dict[str, int], placement: Sequence[str], coords: dict[str, int], axis: str) -> list[int]:
     """The world ranks of the `axis` group through `coords` (the ranks that differ from it along `axis` only)."""
     return [_rank(shape, placement, {**coords, axis: index}) for index in range(shape[axis])]
+
+
+def crossing_groups(shape: dict[str, int], placement: Sequence[str], axis: str, local: int) -> list[list[int]]:
+    """The `axis` groups whose ranks are not all on one node of `local` consecutive ranks (no communication)."""
+    if shape[axis] == 1:
+        return []
+    others = [a for a in DEGREES if a != axis]
+    found = []
+    for flat in range(math.prod(shape[a] for a in others)):
+        coords = {axis: 0}
+        for a in others:
+            coords[a], flat = flat % shape[a], flat // shape[a]
+        members = group_members(shape, placement, coords, axis)
+        if len({rank // local for rank in members}) > 1:
+            found.append(members)
+    return found

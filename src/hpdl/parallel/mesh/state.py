@@ -267,7 +267,7 @@ def save(path: str, model: Any, optimizer: Optional[torch.optim.Optimizer], mesh
 
     The format is `hpdl.checkpoint`'s: per logical tensor (the plain
     model's names) its global shape and chunks, tensor-parallel slices as
-    N-d boxes. Rank dp=0 of each (stage, tp slice) writes what its stage
+    N-d boxes. Rank dp=0 (and sp=0) of each (stage, tp slice) writes what its stage
     holds, so every tensor is written once. It loads with `load` on any
     mesh, and with `hpdl.checkpoint.load` into a plain, DataParallel or
     ZeRO model.
