@@ -18,6 +18,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from hpdl.ml import device
+from hpdl.ml.base import numpy_dtype
+
 __all__ = [
     "warm_up",
     "chunk_rows",
@@ -129,10 +132,6 @@ def _t(a: Any) -> torch.Tensor:
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
-
-
-def _host(a: Any) -> Any:
-    return _np(a) if isinstance(a, torch.Tensor) else a
 
 
 def row_sq_norms(X: Any) -> Any:
@@ -332,15 +331,15 @@ def farthest(
     X: np.ndarray, xsq: np.ndarray, w: Optional[np.ndarray], centres: np.ndarray, count: int, offset: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The `count` rows farthest from their nearest centre: (distance, global index, row, weight, label)."""
-    labels, dist = (_host(a) for a in assign(X, xsq, centres))
+    labels, dist = (device.host(a) for a in assign(X, xsq, centres))
     count = min(count, X.shape[0])
     if count == 0:
         z = np.zeros(0)
-        rows = np.zeros((0, X.shape[1]), np.dtype(str(X.dtype).removeprefix("torch.")))
+        rows = np.zeros((0, X.shape[1]), numpy_dtype(X.dtype))
         return z, z.astype(np.int64), rows, z, z.astype(np.int32)
     far = np.argpartition(dist, -count)[-count:]
-    weights = np.ones(count) if w is None else np.asarray(_host(w)[far], dtype=np.float64)
-    picked = _host(X[torch.from_numpy(far).to(X.device)]) if isinstance(X, torch.Tensor) else X[far]
+    weights = np.ones(count) if w is None else np.asarray(device.host(w)[far], dtype=np.float64)
+    picked = device.host(X[torch.from_numpy(far).to(X.device)]) if isinstance(X, torch.Tensor) else X[far]
     return dist[far].astype(np.float64), far.astype(np.int64) + offset, picked, weights, labels[far]
 
 
