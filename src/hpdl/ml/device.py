@@ -3,12 +3,12 @@
 cuML's convention: an estimator given a device array computes on that
 device and answers with arrays of the same kind (`labels_`, `predict`,
 `transform`, `kneighbors`); the fitted parameters (`cluster_centers_`) are
-small and stay NumPy. A tensor on the CPU is computed through NumPy (a view
-of the same memory, so the compiled loops and scikit-learn's own
-initialisation serve it) and answered with tensors. The kernels' torch path does the work on the tensor's
-own device; what crosses to the host are the small partial results that
-every mode reduces (per-centre sums, candidate neighbours), so the same
-estimator also runs on MPI ranks with one GPU each.
+small and stay NumPy. The kernels' torch path does the work on the
+tensor's own device; what crosses to the host are the small partial results
+that every mode reduces (per-centre sums, candidate neighbours), so the same
+estimator also runs on MPI ranks with one GPU each. A tensor on the CPU is
+computed through NumPy (a view of the same memory, so the compiled loops and
+scikit-learn's own initialisation serve it) and answered with tensors.
 """
 
 from __future__ import annotations

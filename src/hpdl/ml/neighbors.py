@@ -25,7 +25,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import _check_sample_weight, check_array, check_consistent_length
 
 from hpdl.ml import device, kernels
-from hpdl.ml.base import Shards, agree_on_layout, is_dask_array, validate_block
+from hpdl.ml.base import Shards, agree_on_layout, is_dask_array
 from hpdl.ml.estimator import DistributedMixin
 from hpdl.ml.targets import global_classes
 
@@ -153,22 +153,7 @@ class _NeighborsBase(DistributedMixin, BaseEstimator):
     def _check_queries(self, X: Any) -> Any:
         if is_dask_array(X):  # queries are small beside the index: they come to the caller in one piece
             X = X.compute()
-        allow_empty = self.comm is not None and self.comm.size > 1
-        Xv: Any
-        if device.is_device_array(X) and not device.stays_on_device(X):
-            X = device.host(device.as_tensor(X))  # a CPU tensor: NumPy's path, on a view of its memory
-        if device.is_device_array(X):
-            Xv = device.validate(
-                X, dtype=[self._shards_fit.dtype], allow_empty=allow_empty, estimator=type(self).__name__
-            )
-        else:
-            Xv = validate_block(X, dtype=self._shards_fit.dtype, allow_empty=allow_empty, estimator=type(self).__name__)
-        if Xv.shape[1] != self.n_features_in_:
-            raise ValueError(
-                f"X has {Xv.shape[1]} features, but {type(self).__name__} is expecting {self.n_features_in_} "
-                "features as input."
-            )
-        return Xv
+        return self._check_predict_input(X, self._shards_fit.dtype)
 
     def _weights(self, dist: np.ndarray) -> Optional[np.ndarray]:
         if self.weights == "uniform":  # type: ignore[attr-defined]
