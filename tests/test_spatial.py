@@ -13,6 +13,7 @@ from torch import nn
 
 from hpdl.parallel.spatial import SpatialParallel, even_split, gather, plan_windows, shard
 from hpdl.parallel.spatial.cost import spatial_estimate
+from hpdl.parallel.spatial.grid import coordinates, grid_shape, normalize_split
 from spatial_models import make_data, make_net, train
 
 TOL = 1e-10
@@ -51,6 +52,24 @@ def test_an_unsupported_layer_is_named_before_any_compute(ranks):
     SpatialParallel(
         nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(2)), pool.comm
     )
+
+
+def test_a_grid_is_the_most_even_one_row_major_and_must_multiply_to_the_ranks():
+    assert [grid_shape(n, 2) for n in (1, 2, 3, 4, 6, 8)] == [(1, 1), (2, 1), (3, 1), (2, 2), (3, 2), (4, 2)]
+    assert grid_shape(8, 3) == (2, 2, 2) and grid_shape(4, 3) == (2, 2, 1)
+    assert [coordinates(r, (2, 3)) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert normalize_split((2, 3), None, 4, "x") == ((2, 3), (2, 2))
+    with pytest.raises(ValueError, match=r"grid dim 2\(2\) \* dim 3\(3\) = 6 != the group's 4 ranks"):
+        normalize_split((2, 3), (2, 3), 4, "SpatialParallel")
+    with pytest.raises(ValueError, match="tuple of distinct ones"):
+        normalize_split((2, 2), None, 4, "SpatialParallel")
+    x = torch.arange(5 * 7, dtype=torch.float64).view(1, 1, 5, 7)
+
+    class Rank:
+        size, rank = 4, 3
+
+    # rank 3 of a 2 x 2 grid: the bottom-right block, the first rows/columns to the first ranks
+    assert torch.equal(shard(x, Rank(), (2, 3), (2, 2)), x[:, :, 3:, 4:])
 
 
 # ---------------------------------------------------------------------- N ranks
@@ -99,6 +118,64 @@ def test_spatial_training_equals_one_process_on_the_whole_image(ranks, nprocs, n
 def test_without_overlap_the_same_numbers(ranks):
     results = ranks("mpi", 3).run(spatial_train, 2, (37, 9), "sgd", False, timeout=120)
     check_against_one_process(results, 2, (37, 9), "sgd")
+
+
+def grid_train(comm, nd, shape, dims, grid, opt_name):
+    x, y = make_data(shape)
+    model = SpatialParallel(make_net(nd), comm, dim=dims, grid=grid)
+    got = train(model, x, y, opt_name, prepare=model.shard)
+    got["block"] = [
+        even_split(shape[d - 2], p)[c] for d, p, c in zip(dims, model.grid, coordinates(comm.rank, model.grid))
+    ]
+    got["state"] = {k.removeprefix("module."): v for k, v in got["state"].items()}
+    got["grads"] = {k.removeprefix("module."): v for k, v in got["grads"].items()}
+    got["sent"] = model.halo_stats.bytes_sent
+    return got
+
+
+@pytest.mark.parametrize(
+    "nprocs, nd, shape, dims, grid, opt_name",
+    [
+        (4, 2, (29, 23), (2, 3), None, "adam"),  # 2 x 2 blocks of height x width
+        (3, 2, (21, 37), (2, 3), (1, 3), "sgd"),  # columns: width split alone, through the grid
+        (2, 2, (21, 27), (3, 2), None, "sgd"),  # the axes in the other order
+        (4, 3, (27, 13, 12), (2, 3, 4), None, "sgd"),  # a volume on a 2 x 2 x 1 grid
+    ],
+)
+def test_a_grid_split_over_several_dimensions_equals_one_process(ranks, nprocs, nd, shape, dims, grid, opt_name):
+    """Every layer kind of make_net (strided, dilated, grouped convs with all four padding modes, pooling,
+    batch norm, a global pool and head) on blocks: the corners reach the diagonal neighbours through the
+    exchanges one axis after the other."""
+    results = ranks("mpi", nprocs).run(grid_train, nd, shape, dims, grid, opt_name, timeout=120)
+    x, y = make_data(shape)
+    want = train(make_net(nd), x, y, opt_name)
+    for rank, got in enumerate(results):
+        what = f"rank {rank} of {nprocs}"
+        assert close(got["logits"], want["logits"]) <= TOL, what
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= TOL, what
+        block = want["input_grad"]
+        for d, (start, end) in zip(dims, got["block"]):
+            block = block.narrow(d, start, end - start)
+        assert close(got["input_grad"], block) <= TOL, what
+        for name, g in want["grads"].items():
+            assert close(got["grads"][name], g) <= TOL, f"{what}: grad {name}"
+        for name, v in want["state"].items():
+            assert close(got["state"][name], v) <= TOL, f"{what}: {name}"
+        assert got["sent"] > 0, what
+
+
+def grid_round_trip(comm):
+    x = torch.arange(2 * 3 * 11 * 9, dtype=torch.float64).view(2, 3, 11, 9)
+    local = shard(x, comm, (2, 3)).requires_grad_(True)
+    full = gather(local, comm, (2, 3))
+    weights = torch.arange(11 * 9, dtype=torch.float64).view(1, 1, 11, 9)
+    (full * weights).sum().backward()
+    return bool(torch.equal(full, x)), bool(torch.equal(local.grad, shard(weights.expand_as(x), comm, (2, 3))))
+
+
+def test_gather_puts_a_grid_of_blocks_together_and_returns_each_rank_its_block_of_the_gradient(ranks):
+    for rank, (same, grad) in enumerate(ranks("mpi", 4).run(grid_round_trip)):
+        assert same and grad, rank
 
 
 def gather_round_trip(comm):

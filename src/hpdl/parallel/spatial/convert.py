@@ -11,7 +11,7 @@ network is *replicated*: every rank runs the same layers on the same data.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from torch import nn
 
@@ -67,26 +67,31 @@ GLOBAL_POOLS = (
 
 
 class _State:
-    def __init__(self) -> None:
+    def __init__(self, axes: Optional[Sequence[tuple[int, Communicator]]]) -> None:
+        self.axes = axes
         self.replicated = False
         self.next_id = 0
         self.layers: list[tuple[str, SpatialLayer]] = []
 
 
 def convert(
-    module: nn.Module, comm: Communicator, dim: int, context: Optional[SpatialContext] = None
+    module: nn.Module,
+    comm: Communicator,
+    dim: int,
+    context: Optional[SpatialContext] = None,
+    axes: Optional[Sequence[tuple[int, Communicator]]] = None,
 ) -> list[tuple[str, SpatialLayer]]:
     """Swap `module`'s layers for spatial ones in place; return (name, layer) of each spatial layer made.
 
     Raises ValueError naming the first layer that cannot run on slabs.
     `module` itself may be a single layer only inside a container (wrap it
-    in `nn.Sequential`).
+    in `nn.Sequential`). `axes`: (dim, group) per axis of a grid split, `comm` the whole grid.
     """
     if not isinstance(dim, int) or dim < 2:
         raise ValueError(
             f"spatial: dim={dim!r} must be a spatial dimension (2 for the height of NCHW / the depth of NCDHW)"
         )
-    state = _State()
+    state = _State(axes)
     _convert_children(module, "", comm, dim, context, state)
     return state.layers
 
@@ -111,16 +116,16 @@ def _convert_one(
         raise ValueError(f"spatial: {name} is already a spatial layer; wrap the plain model once")
     made: Optional[SpatialLayer] = None
     if isinstance(module, CONVS):
-        made = SpatialConv(module, comm, dim, name, state.next_id, context)
+        made = SpatialConv(module, comm, dim, name, state.next_id, context, state.axes)
     elif isinstance(module, POOLS):
-        made = SpatialPool(module, comm, dim, name, state.next_id, context)
+        made = SpatialPool(module, comm, dim, name, state.next_id, context, state.axes)
     elif isinstance(module, NORMS):
-        made = SpatialBatchNorm(module, comm, dim, name, state.next_id, context)
+        made = SpatialBatchNorm(module, comm, dim, name, state.next_id, context, state.axes)
     elif isinstance(module, GLOBAL_POOLS):
-        made = SpatialGlobalPool(module, comm, dim, name, state.next_id, context)
+        made = SpatialGlobalPool(module, comm, dim, name, state.next_id, context, state.axes)
         state.replicated = True
     elif isinstance(module, nn.Flatten):
-        made = SpatialFlatten(module, comm, dim, name, state.next_id, context)
+        made = SpatialFlatten(module, comm, dim, name, state.next_id, context, state.axes)
         state.replicated = True
     elif isinstance(module, ELEMENTWISE):
         return None

@@ -6,11 +6,20 @@ plain layer by `from_module`. Along the split dimension a layer pads
 nothing itself: its halo rows (neighbours' rows and padding rows) come
 from `halo_window_forward`; along the other dimensions it pads as the
 plain layer does.
+
+With several split dimensions (`axes`: a grid of ranks, see grid.py) a
+window layer first extends its block by the halos of every axis but the
+first, one axis after the other, then runs the first axis's exchange,
+overlapped with the interior, on the extended block: the rows that
+neighbours send along the first axis carry the other axes' halos, corners
+included. `comm` is then the whole grid (batch-norm statistics, global
+pools), each axis's exchange runs on that axis's group.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import math
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,16 +42,48 @@ class SpatialLayer(nn.Module):
     spatial_params = True
     """Whether this layer's parameter gradients are partial (one slab's share) and must be summed."""
 
-    def __init__(self, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]):
+    def __init__(
+        self,
+        comm: Communicator,
+        dim: int,
+        name: str,
+        layer_id: int,
+        context: Optional[SpatialContext],
+        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
+    ):
         super().__init__()
         self.comm, self.split_dim, self.layer_name, self.layer_id = comm, dim, name, layer_id
+        self.axes: list[tuple[int, Communicator]] = list(axes) if axes else [(dim, comm)]
+        """(split dimension, its group) per grid axis; one axis: (dim, comm)."""
+        self.split_dims = [d for d, _ in self.axes]
         self.context = context
         self.stats = HaloStats()
         self.overlap = True
-        self._windows: dict[tuple[int, int], list[Window]] = {}
+        self._windows: dict[tuple[int, int, int], list[Window]] = {}
 
     def rows(self, x: torch.Tensor) -> tuple[int, int]:
-        return global_rows(x, self.split_dim, self.comm, self.context, self.layer_id, self.layer_name)
+        dim, comm = self.axes[0]
+        return global_rows(x, dim, comm, self.context, self.layer_id, self.layer_name)
+
+    def extents(self, x: torch.Tensor) -> tuple[list[int], int]:
+        """(global rows along every split dimension, call number)."""
+        first, call = self.rows(x)
+        rest = [
+            global_rows(x, dim, comm, self.context, -(self.layer_id * 16 + axis), self.layer_name)[0]
+            for axis, (dim, comm) in enumerate(self.axes[1:], 1)
+        ]  # each axis counts its calls apart (the ids below 0 are free)
+        return [first, *rest], call
+
+    def split_text(self) -> str:
+        if len(self.axes) == 1:
+            return f"split dim {self.split_dim} over {self.comm.size}"
+        return "split dims " + " x ".join(f"{d}({c.size})" for d, c in self.axes)
+
+    def gather_axes(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole tensor on every rank: the blocks put together along one split dimension after another."""
+        for dim, comm in self.axes:
+            x = gather(x, comm, dim)
+        return x
 
     def tag(self, call: int) -> int:
         return FORWARD_TAG + TAG_STRIDE * (self.layer_id * CALLS_PER_TAG + call % CALLS_PER_TAG)
@@ -62,12 +103,14 @@ class _WindowLayer(SpatialLayer):
     mode: str
     fill: float
 
-    def windows(self, n_in: int, parts: Optional[int] = None) -> list[Window]:
-        """Every rank's window for an input of `n_in` rows (over `parts` ranks: default, this layer's group)."""
-        parts = self.comm.size if parts is None else parts
-        found = self._windows.get((n_in, parts))
+    def windows(self, n_in: int, parts: Optional[int] = None, axis: int = 0) -> list[Window]:
+        """Every rank's window for an input of `n_in` rows along grid axis `axis` (over `parts` ranks: default,
+        that axis's group)."""
+        dim, comm = self.axes[axis]
+        parts = comm.size if parts is None else parts
+        found = self._windows.get((axis, n_in, parts))
         if found is None:
-            d = self.split_dim - 2
+            d = dim - 2
             found = plan_windows(
                 n_in,
                 parts,
@@ -79,42 +122,51 @@ class _WindowLayer(SpatialLayer):
                 mode=self.mode,
                 layer=self.layer_name,
             )
-            self._windows[(n_in, parts)] = found
+            self._windows[(axis, n_in, parts)] = found
         return found
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n_in, call = self.rows(x)
-        d = self.split_dim - 2
-        return halo_window_forward(
-            x,
-            self.comm,
-            self.windows(n_in),
-            dim=self.split_dim,
-            kernel_span=self.dilation[d] * (self.kernel[d] - 1) + 1,
-            stride=self.stride[d],
-            op=self.local_op,
-            tag=self.tag(call),
-            stats=self.stats,
-            fill=self.fill,
-            overlap=self.overlap,
-        )
+        extents, call = self.extents(x)
+        tag = self.tag(call)
+        for axis in reversed(range(len(self.axes))):
+            dim, comm = self.axes[axis]
+            d = dim - 2
+            x = halo_window_forward(
+                x,
+                comm,
+                self.windows(extents[axis], axis=axis),
+                dim=dim,
+                kernel_span=self.dilation[d] * (self.kernel[d] - 1) + 1,
+                stride=self.stride[d],
+                op=self.local_op if axis == 0 else _rows_read,  # the later axes only extend the block
+                tag=tag,
+                stats=self.stats,
+                fill=self.fill,
+                overlap=self.overlap and axis == 0,
+            )
+        return x
 
     def local_op(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def other_padding(self) -> list[int]:
-        """F.pad's list (last dimension first) padding every dimension but the split one."""
+        """F.pad's list (last dimension first) padding every dimension but the split ones."""
         pads: list[int] = []
         for d in reversed(range(len(self.pad))):
-            lo, hi = (0, 0) if d == self.split_dim - 2 else self.pad[d]
+            lo, hi = (0, 0) if d + 2 in self.split_dims else self.pad[d]
             pads += [lo, hi]
         return pads
 
     def symmetric_other_padding(self) -> Optional[list[int]]:
-        """Per-dimension padding with the split one 0, when every other dimension pads the same on both sides."""
-        if any(lo != hi for d, (lo, hi) in enumerate(self.pad) if d != self.split_dim - 2):
+        """Per-dimension padding with the split ones 0, when every other dimension pads the same on both sides."""
+        if any(lo != hi for d, (lo, hi) in enumerate(self.pad) if d + 2 not in self.split_dims):
             return None
-        return [0 if d == self.split_dim - 2 else lo for d, (lo, _) in enumerate(self.pad)]
+        return [0 if d + 2 in self.split_dims else lo for d, (lo, _) in enumerate(self.pad)]
+
+
+def _rows_read(x: torch.Tensor) -> torch.Tensor:
+    """The op of an axis that only extends the block: the rows the window reads, halos and padding included."""
+    return x
 
 
 CONV_FUNCTIONS: dict[int, Callable[..., torch.Tensor]] = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -145,13 +197,15 @@ class SpatialConv(_WindowLayer):
         name: str,
         layer_id: int,
         context: Optional[SpatialContext],
+        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
     ):
-        super().__init__(comm, dim, name, layer_id, context)
+        super().__init__(comm, dim, name, layer_id, context, axes)
         n = len(conv.kernel_size)
-        if not 2 <= dim < 2 + n:
-            raise ValueError(
-                f"{name} ({type(conv).__name__}): split dim {dim} is not one of its spatial dims 2..{n + 1}"
-            )
+        for split in self.split_dims:
+            if not 2 <= split < 2 + n:
+                raise ValueError(
+                    f"{name} ({type(conv).__name__}): split dim {split} is not one of its spatial dims 2..{n + 1}"
+                )
         self.nd = n
         self.weight = conv.weight
         self.bias = conv.bias
@@ -177,7 +231,7 @@ class SpatialConv(_WindowLayer):
         return (
             f"{self.plain}, weight={tuple(self.weight.shape)}, kernel={self.kernel}, stride={self.stride}, "
             f"pad={self.pad}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}, "
-            f"split dim {self.split_dim} over {self.comm.size}"
+            f"{self.split_text()}"
         )
 
 
@@ -185,13 +239,21 @@ class SpatialPool(_WindowLayer):
     """MaxPool/AvgPool 1d/2d/3d over the whole image (floor mode)."""
 
     def __init__(
-        self, pool: nn.Module, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]
+        self,
+        pool: nn.Module,
+        comm: Communicator,
+        dim: int,
+        name: str,
+        layer_id: int,
+        context: Optional[SpatialContext],
+        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
     ):
-        super().__init__(comm, dim, name, layer_id, context)
+        super().__init__(comm, dim, name, layer_id, context, axes)
         kind = type(pool).__name__
         self.nd = int(kind[-2])
-        if not 2 <= dim < 2 + self.nd:
-            raise ValueError(f"{name} ({kind}): split dim {dim} is not one of its spatial dims 2..{self.nd + 1}")
+        for split in self.split_dims:
+            if not 2 <= split < 2 + self.nd:
+                raise ValueError(f"{name} ({kind}): split dim {split} is not one of its spatial dims 2..{self.nd + 1}")
         if getattr(pool, "ceil_mode", False):
             raise ValueError(
                 f"{name} ({kind}): ceil_mode=True is not supported by spatial parallelism; use ceil_mode=False"
@@ -206,7 +268,7 @@ class SpatialPool(_WindowLayer):
         self.pad = [(p, p) for p in _pairs(pool.padding, n)]
         self.count_include_pad = getattr(pool, "count_include_pad", True)
         self.divisor_override = getattr(pool, "divisor_override", None)
-        if not self.is_max and not self.count_include_pad and self.pad[dim - 2][0] > 0:
+        if not self.is_max and not self.count_include_pad and any(self.pad[d - 2][0] > 0 for d in self.split_dims):
             raise ValueError(
                 f"{name} ({kind}): count_include_pad=False with padding along the split dimension is not supported; "
                 "use count_include_pad=True or no padding along that dimension"
@@ -228,7 +290,7 @@ class SpatialPool(_WindowLayer):
         return avg_pool(x, self.kernel, self.stride, padding, False, self.count_include_pad, self.divisor_override)
 
     def extra_repr(self) -> str:
-        where = f"split dim {self.split_dim} over {self.comm.size}"
+        where = self.split_text()
         return f"{self.plain}, kernel={self.kernel}, stride={self.stride}, pad={self.pad}, {where}"
 
 
@@ -311,8 +373,9 @@ class SpatialBatchNorm(SpatialLayer):
         name: str,
         layer_id: int,
         context: Optional[SpatialContext],
+        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
     ):
-        super().__init__(comm, dim, name, layer_id, context)
+        super().__init__(comm, dim, name, layer_id, context, axes)
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
         self.weight, self.bias = bn.weight, bn.bias
@@ -347,9 +410,16 @@ class SpatialGlobalPool(SpatialLayer):
     spatial_params = False
 
     def __init__(
-        self, pool: nn.Module, comm: Communicator, dim: int, name: str, layer_id: int, context: Optional[SpatialContext]
+        self,
+        pool: nn.Module,
+        comm: Communicator,
+        dim: int,
+        name: str,
+        layer_id: int,
+        context: Optional[SpatialContext],
+        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
     ):
-        super().__init__(comm, dim, name, layer_id, context)
+        super().__init__(comm, dim, name, layer_id, context, axes)
         self.pool = pool
         self.is_max = type(pool).__name__.startswith("AdaptiveMax")
         if getattr(pool, "return_indices", False):
@@ -358,17 +428,17 @@ class SpatialGlobalPool(SpatialLayer):
             )
         size = pool.output_size  # type: ignore[attr-defined]
         sizes = list(size) if isinstance(size, (tuple, list)) else [size] * int(type(pool).__name__[-2])
-        self.reduces = sizes[dim - 2] == 1
+        self.reduces = all(sizes[d - 2] == 1 for d in self.split_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dim = self.split_dim
+        dims = self.split_dims
         if not self.reduces:
-            return self.pool(gather(x, self.comm, dim))
+            return self.pool(self.gather_axes(x))
         if self.is_max:
-            peaks = gather(x.amax(dim, keepdim=True), self.comm, dim)
-            return self.pool(peaks.amax(dim, keepdim=True))
-        n, _ = self.rows(x)
-        return self.pool(sum_over_slabs(x.sum(dim, keepdim=True), self.comm) / n)
+            peaks = gather(x.amax(dims, keepdim=True), self.comm, dims[0])  # one value per rank along dims[0]
+            return self.pool(peaks.amax(dims[0], keepdim=True))
+        extents, _ = self.extents(x)
+        return self.pool(sum_over_slabs(x.sum(dims, keepdim=True), self.comm) / math.prod(extents))
 
     def extra_repr(self) -> str:
         how = "slabs reduced" if self.reduces else "slabs gathered"
@@ -389,12 +459,13 @@ class SpatialFlatten(SpatialLayer):
         name: str,
         layer_id: int,
         context: Optional[SpatialContext],
+        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
     ):
-        super().__init__(comm, dim, name, layer_id, context)
+        super().__init__(comm, dim, name, layer_id, context, axes)
         self.flatten = flatten
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.flatten(gather(x, self.comm, self.split_dim))
+        return self.flatten(self.gather_axes(x))
 
     def extra_repr(self) -> str:
         return "slabs gathered, output replicated"

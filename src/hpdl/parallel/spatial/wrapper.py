@@ -6,6 +6,9 @@
     loss.backward()                                   # weight gradients = one process's on the whole image
     optimizer.step()
 
+    model = SpatialParallel(cnn, comm, dim=(2, 3), grid=(2, 2))   # 4 ranks, each a block of height x width
+    loss = loss_fn(model(model.shard(image)), label)
+
 Convolution, pooling and batch norm gradients of one slab are that slab's
 share of the whole image's gradient: they are summed over the group (in
 buckets, overlapped with backward, by hpdl's `GradientReducer`, as in
@@ -18,7 +21,7 @@ parallelism) gradients are averaged over the samples too.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -28,8 +31,9 @@ from hpdl.parallel.data.buckets import GradientReducer
 from hpdl.parallel.data.data_parallel import broadcast_tensors
 from hpdl.parallel.spatial.convert import convert
 from hpdl.parallel.spatial.extent import SpatialContext, slab_sizes
+from hpdl.parallel.spatial.grid import axis_groups, normalize_split
 from hpdl.parallel.spatial.halo import HaloStats
-from hpdl.parallel.spatial.slabs import gather
+from hpdl.parallel.spatial.slabs import gather, shard
 
 __all__ = ["SpatialParallel"]
 
@@ -41,7 +45,10 @@ class SpatialParallel(nn.Module):
         module: a plain CNN (`nn.Sequential` or a module whose submodules
             are registered in execution order); converted in place.
         comm: the spatial group (every rank holds one slab of the image).
-        dim: the split dimension (2: height of NCHW, depth of NCDHW).
+        dim: the split dimension (2: height of NCHW, depth of NCDHW), or a
+            tuple of them for a grid split ((2, 3): height x width blocks).
+        grid: ranks per split dimension of a tuple `dim` (their product is
+            `comm.size`; default the most even grid, 2 x 2 for 4 ranks).
         grad_comm: the group over which gradients are averaged (default:
             `comm`); for dp x sp, the group of all dp x sp ranks.
         bucket_mb: megabytes per gradient bucket.
@@ -59,8 +66,9 @@ class SpatialParallel(nn.Module):
         self,
         module: nn.Module,
         comm: Communicator,
-        dim: int = 2,
+        dim: Union[int, Sequence[int]] = 2,
         *,
+        grid: Optional[Sequence[int]] = None,
         grad_comm: Optional[Communicator] = None,
         bucket_mb: float = 25.0,
         overlap: bool = True,
@@ -70,6 +78,13 @@ class SpatialParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"SpatialParallel wraps an nn.Module, got {type(module).__name__}")
         self.comm, self.dim, self.gather_output = comm, dim, bool(gather_output)
+        self.dims, self.grid = normalize_split(
+            dim, grid if not isinstance(dim, int) else None, comm.size, "SpatialParallel"
+        )
+        if isinstance(dim, int) and grid is not None and tuple(grid) != (comm.size,):
+            raise ValueError(f"SpatialParallel: grid={tuple(grid)!r} needs a tuple dim, one split dim per factor")
+        self.axes = list(zip(self.dims, axis_groups(comm, self.grid)))
+        """(split dimension, its group) per grid axis."""
         self.grad_comm = grad_comm if grad_comm is not None else comm
         if self.grad_comm.size % comm.size:
             raise ValueError(
@@ -78,7 +93,7 @@ class SpatialParallel(nn.Module):
             )
         self.context = SpatialContext()
         self.module = module
-        self.layers = convert(module, comm, dim, self.context)
+        self.layers = convert(module, comm, self.dims[0], self.context, self.axes)
         for _, layer in self.layers:
             layer.overlap = overlap
         spatial = {id(p) for _, layer in self.layers if layer.spatial_params for p in layer.parameters()}
@@ -94,20 +109,25 @@ class SpatialParallel(nn.Module):
         broadcast_tensors(self.grad_comm, [*module.parameters(), *module.buffers()], root=0)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if x.dim() <= self.dim:
+        if x.dim() <= max(self.dims):
             raise ValueError(f"SpatialParallel: input of shape {tuple(x.shape)} has no dimension {self.dim} to split")
-        rows = sum(slab_sizes(x.shape[self.dim], self.comm, x.device))
         shape = list(x.shape)
-        shape[self.dim] = rows
+        for d, group in self.axes:
+            shape[d] = sum(slab_sizes(x.shape[d], group, x.device))
         self.context.begin(tuple(shape))
         out = self.module(x, *args, **kwargs)
         if self.gather_output:
-            if not isinstance(out, torch.Tensor) or out.dim() <= self.dim:
+            if not isinstance(out, torch.Tensor) or out.dim() <= max(self.dims):
                 raise ValueError(
                     "SpatialParallel: gather_output needs the module to return a tensor with the split dimension"
                 )
-            out = gather(out, self.comm, self.dim)
+            for d, group in self.axes:
+                out = gather(out, group, d)
         return out
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slab (or grid block) of a whole input `x`."""
+        return shard(x, self.comm, self.dim, None if isinstance(self.dim, int) else self.grid)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -144,8 +164,14 @@ class SpatialParallel(nn.Module):
         """A text picture of each rank's slab, output rows and halos at every window layer, for `rows` input rows."""
         from hpdl.parallel.spatial.describe import describe_layers
 
+        if len(self.axes) > 1:
+            raise ValueError(
+                "SpatialParallel.describe draws a split along one dimension; this model splits "
+                f"{len(self.axes)} (grid {self.grid}): describe each axis with a one-dim model"
+            )
         return describe_layers(self.layers, rows, self.comm.size if ranks is None else ranks)
 
     def __repr__(self) -> str:
         layers = len(self.layers)
-        return f"SpatialParallel(ranks={self.comm.size}, dim={self.dim}, layers={layers}, module={self.module!r})"
+        split = f"dim={self.dim}" if len(self.axes) == 1 else f"dim={self.dims}, grid={self.grid}"
+        return f"SpatialParallel(ranks={self.comm.size}, {split}, layers={layers}, module={self.module!r})"
