@@ -152,6 +152,17 @@ def async_and_objects(comm: Any, name: str) -> dict:
     out["future value"] = [f.value()[0].tolist() for f in futures]
     chained = dist.all_reduce(torch.ones(4), group=g, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     out["then"] = chained.wait().tolist()
+    # a small all_reduce issued async before a message the others need first: issuing it must not wait for them
+    early = torch.full((2,), float(rank))
+    if rank == 0:
+        work = dist.all_reduce(early, group=g, async_op=True)
+        for peer in range(1, size):
+            dist.send(torch.ones(1), dst=peer, group=g, tag=9)
+        work.wait()
+    else:
+        dist.recv(torch.empty(1), src=0, group=g, tag=9)
+        dist.all_reduce(early, group=g)
+    out["async, then a send the others wait for"] = early.tolist()
     coalesced = [_data(rank, n, torch.float64) for n in (4, 9, 1)]
     dist.all_reduce_coalesced(coalesced, group=g)
     out["all_reduce_coalesced"] = [t.tolist() for t in coalesced]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hpdl.comm.base import Communicator, is_block_of
 from hpdl.comm.work import completed
 
-__all__ = ["reduce_op"]
+__all__ = ["reduce_op", "plain_op"]
 
 ALLTOALL_TAG = 32767 - 11
 """Point-to-point tag of uneven all-to-all exchanges (MPI guarantees tags up to 32767)."""
@@ -52,6 +52,13 @@ def reduce_op(value: Any) -> Reduction:
     if kind in _BITWISE:
         return Reduction("sum", bitwise=_BITWISE[kind])
     raise ValueError(f"the hpdl backend does not support ReduceOp {kind}")
+
+
+def plain_op(value: Any) -> Optional[str]:
+    """hpdl's name of a ReduceOp that needs nothing but hpdl's own reduction (SUM, AVG, MAX, MIN, PRODUCT)."""
+    kind = value.op if type(value) is _REDUCE_OP else value
+    plain = _PLAIN.get(kind.value)
+    return plain.op if plain is not None else None
 
 
 def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
