@@ -40,9 +40,9 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path):
     path.write_text(json.dumps({"dp": 2, "zero": 2, "microbatches": 4}))
     with pytest.raises(PlanError) as err:
         Plan.from_file(str(path))
-    assert "'zero', 'microbatches'" in str(err.value) and "valid keys: dp, pp, tp, sp, spatial_dim, zero_stage" in str(
+    assert "'zero', 'microbatches'" in str(
         err.value
-    )
+    ) and "valid keys: dp, pp, tp, sp, spatial_dim, spatial_grid, zero_stage" in str(err.value)
     (tmp_path / "bad.toml").write_text("dp = [")
     with pytest.raises(PlanError, match="not valid TOML"):
         Plan.from_file(str(tmp_path / "bad.toml"))
@@ -74,6 +74,8 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path):
         ({"sp": 2, "zero_stage": 1}, r"combines with dp only; got zero_stage=1"),
         ({"sp": -1, "dp": -1}, r"at most one degree may be -1"),
         ({"spatial_dim": 1}, r"spatial_dim=1 must be 2 or more"),
+        ({"sp": 4, "spatial_dim": [2, 3], "spatial_grid": [2, 3]}, r"dim 2\(2\) \* dim 3\(3\) = 6 != the group's 4"),
+        ({"sp": 2, "spatial_grid": [2]}, r"spatial_grid=\[2\] needs a list spatial_dim"),
     ],
 )
 def test_impossible_fields_are_rejected_with_the_reason(fields, message):

@@ -132,6 +132,28 @@ def test_build_of_a_dp2_sp2_plan_equals_one_process_on_the_whole_batch(ranks, tm
         assert_state(state, want["state"], f"rank {rank}")
 
 
+def grid_from_a_plan(comm, path: str):
+    """A plan file with 2 x 2 blocks (spatial_dim = [2, 3]) read back and built: one process's training."""
+    path = f"{path}.{comm.rank}.toml"  # a file per rank: no rank reads another's half-written one
+    Plan(sp=4, dp=1, spatial_dim=[2, 3], spatial_grid=[2, 2]).to_file(path)
+    plan = Plan.from_file(path)
+    mesh = Mesh.from_plan(comm, plan)
+    model, _ = build(make_net(2), mesh, plan)
+    x, y = make_data((23, 21))
+    got = train(model, x, y, "adam", prepare=model.shard)
+    grid = model.grid
+    mesh.close()
+    return {k.removeprefix("module."): v for k, v in got["state"].items()}, grid
+
+
+def test_build_of_a_plan_with_a_grid_of_blocks_equals_one_process(ranks, tmp_path):
+    x, y = make_data((23, 21))
+    want = train(make_net(2), x, y, "adam")
+    for rank, (state, grid) in enumerate(ranks("mpi", 4).run(grid_from_a_plan, str(tmp_path / "plan"))):
+        assert grid == (2, 2)
+        assert_state(state, want["state"], f"rank {rank}")
+
+
 # ---------------------------------------------------------------------- spatial stage in a pipeline
 FIRST_STAGE = 5
 

@@ -50,7 +50,8 @@ def build(
     optimizer.step()`. With sp > 1 it is a `SpatialParallel` over `mesh.sp`
     whose gradients are averaged over `mesh.group("dp", "sp")`: each dp
     replica takes its slice of the batch and each rank of its spatial group
-    passes its slab, `hpdl.parallel.spatial.shard(x, mesh.sp, plan.spatial_dim)`.
+    passes its slab, `hpdl.parallel.spatial.shard(x, mesh.sp, plan.spatial_dim, plan.spatial_grid)` (or the
+    returned model's own `shard(x)`).
     With a pipeline it is a `Pipeline`: `loss = pipe.step(x, y, loss_fn);
     optimizer.step()`. When the plan splits the output layer's
     vocabulary (GPT's tp_plan), compute the loss with
@@ -110,7 +111,9 @@ def _build_spatial(
 ) -> tuple[Any, torch.optim.Optimizer]:
     """Sample + spatial parallelism: slabs over mesh.sp; gradients averaged over dp x sp equal one process's."""
     grads = mesh.group("dp", "sp")
-    wrapped = SpatialParallel(model, mesh.sp, plan.spatial_dim, grad_comm=grads, bucket_mb=plan.bucket_mb)
+    wrapped = SpatialParallel(
+        model, mesh.sp, plan.spatial_dim, grid=plan.spatial_grid, grad_comm=grads, bucket_mb=plan.bucket_mb
+    )
     return wrapped, optimizer(wrapped.parameters(), **optimizer_options)
 
 

@@ -69,8 +69,11 @@ class Plan:
     sp: int = 1
     """Spatial degree: ranks that split each sample's activations along `spatial_dim` and exchange halos
     (`hpdl.parallel.spatial`, for CNNs whose activations do not fit); -1: infer. Keep it inside a node."""
-    spatial_dim: int = 2
-    """The dimension the spatial group splits (2: height of NCHW, also depth of NCDHW); used when sp > 1."""
+    spatial_dim: Any = 2
+    """The dimension the spatial group splits (2: height of NCHW, also depth of NCDHW), or a list of them for
+    blocks on a grid ([2, 3]: height x width); used when sp > 1."""
+    spatial_grid: Optional[list[int]] = None
+    """Ranks per split dimension of a list `spatial_dim`, multiplying to sp (None: the most even grid)."""
     zero_stage: int = 0
     """ZeRO stage over the data-parallel group: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters."""
     micro_batches: int = 1
@@ -172,12 +175,35 @@ class Plan:
             )
 
     def _check_spatial(self) -> None:
-        _check_int("spatial_dim", self.spatial_dim, None)
-        if self.spatial_dim < 2:
-            raise PlanError(
-                f"Plan: spatial_dim={self.spatial_dim} must be 2 or more (0 is the batch, 1 the channels; "
-                "2 is the height of NCHW)"
-            )
+        from hpdl.parallel.spatial.grid import normalize_split
+
+        dims = self.spatial_dim
+        if isinstance(dims, (list, tuple)):
+            dims = tuple(dims)
+            object.__setattr__(self, "spatial_dim", dims)
+        else:
+            _check_int("spatial_dim", dims, None)
+            if dims < 2:
+                raise PlanError(
+                    f"Plan: spatial_dim={dims} must be 2 or more (0 is the batch, 1 the channels; "
+                    "2 is the height of NCHW)"
+                )
+        grid = self.spatial_grid
+        if grid is not None:
+            if not isinstance(dims, tuple):
+                raise PlanError(
+                    f"Plan: spatial_grid={grid!r} needs a list spatial_dim (one split dimension per factor), "
+                    f"got spatial_dim={dims}"
+                )
+            if not isinstance(grid, (list, tuple)) or not all(
+                isinstance(g, int) and not isinstance(g, bool) for g in grid
+            ):
+                raise PlanError(f"Plan: spatial_grid={grid!r} must be a list of ints, one per split dimension")
+            object.__setattr__(self, "spatial_grid", list(grid))
+        try:  # the grid against sp once sp is known (-1: the mesh infers it and SpatialParallel checks)
+            normalize_split(dims, grid, self.sp if self.sp > 0 else math.prod(grid or (1,)), "Plan")
+        except ValueError as exc:
+            raise PlanError(f"{exc} (spatial_dim, spatial_grid, sp)") from None
         if self.sp == 1:
             return
         others = [f"{name}={getattr(self, name)}" for name in ("pp", "tp") if getattr(self, name) != 1]
@@ -287,7 +313,7 @@ class Plan:
         values = dict(data)
         if "placement" in values and isinstance(values["placement"], (list, tuple)):
             values["placement"] = tuple(values["placement"])
-        for key in ("schedule", "compression", "mixed_precision", "tp_plan", "balance"):
+        for key in ("schedule", "compression", "mixed_precision", "tp_plan", "balance", "spatial_grid"):
             if values.get(key) == "none":  # TOML has no null: "none" stands for None
                 values[key] = None
         return cls(**values)
@@ -300,6 +326,8 @@ class Plan:
             out["tp_plan"] = dict(self.tp_plan)
         if self.balance is not None:
             out["balance"] = list(self.balance)
+        if isinstance(self.spatial_dim, tuple):
+            out["spatial_dim"] = list(self.spatial_dim)
         return out
 
     @classmethod
@@ -351,7 +379,13 @@ class Plan:
             styles = ", ".join(f"{k}: {v}" for k, v in (self.tp_plan or {}).items()) or "the model's own tp_plan"
             lines.append(f"tensor    {styles}")
         if self.sp != 1:
-            lines.append(f"spatial   each sample split in {self.sp} slabs along dim {self.spatial_dim}")
+            if isinstance(self.spatial_dim, tuple):
+                from hpdl.parallel.spatial.grid import grid_shape
+
+                grid = " x ".join(map(str, self.spatial_grid or grid_shape(self.sp, len(self.spatial_dim))))
+                lines.append(f"spatial   each sample split in {self.sp} blocks ({grid}) along dims {self.spatial_dim}")
+            else:
+                lines.append(f"spatial   each sample split in {self.sp} slabs along dim {self.spatial_dim}")
         return "\n".join(lines)
 
 
