@@ -5,6 +5,7 @@ Each is checked against one process on the whole batch and image (float64, 1e-10
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +17,7 @@ from hpdl.parallel.mesh import full_state
 from hpdl.parallel.mesh import state as mesh_state
 from hpdl.parallel.spatial import ChannelParallelConv, FilterParallelConv, SpatialParallel, shard
 from hpdl.parallel.tensor import full_state_dict
+from hpdl.parallel.tensor.styles import split_problem
 from spatial_models import make_data, make_net, train
 
 TOL = 1e-10
@@ -40,13 +42,23 @@ def channel_net() -> nn.Sequential:
     ).double()  # fmt: skip
 
 
-def channel_train(comm):
+CONV_TP_PLAN = {"0": "filter", "2": "channel", "4": "filter_gather"}
+
+
+def channel_train(comm, how):
     net = channel_net()
     # the first conv's filters split, the second's input channels split (no communication in between),
     # the third's filters split again and gathered
-    net[0] = FilterParallelConv(net[0], comm)
-    net[2] = ChannelParallelConv(net[2], comm)
-    net[4] = FilterParallelConv(net[4], comm, gather_output=True)
+    if how == "by hand":
+        net[0] = FilterParallelConv(net[0], comm)
+        net[2] = ChannelParallelConv(net[2], comm)
+        net[4] = FilterParallelConv(net[4], comm, gather_output=True)
+    else:  # the same as tensor-parallel styles of a plan
+        plan = Plan(tp=2, dp=1, tp_plan=CONV_TP_PLAN)
+        mesh = Mesh.from_plan(comm, plan)
+        net, _ = build(net, mesh, plan)  # dp=1: the parallelized model itself
+        kinds = [type(net[i]).__name__ for i in (0, 2, 4)]
+        assert kinds == ["FilterParallelConv", "ChannelParallelConv", "FilterParallelConv"], kinds
     x, y = make_data((9, 8))
     got = train(net, x, y, "adam")
     local_grads = {n: p.grad for n, p in net.named_parameters()}
@@ -55,10 +67,20 @@ def channel_train(comm):
     return got
 
 
-def test_filter_and_channel_parallel_convs_train_like_the_plain_convs(ranks):
+def test_a_convolution_that_cannot_be_split_in_a_style_is_named_with_the_reason():
+    assert split_problem(nn.Conv2d(3, 4, 3), "channel", 2) == "in_channels (3) does not divide by 2"
+    assert split_problem(nn.Conv2d(4, 4, 3, groups=2), "filter", 2).startswith("groups=2")
+    assert split_problem(nn.Conv2d(4, 4, 3, padding_mode="reflect"), "filter", 2).startswith("padding_mode='reflect'")
+    assert "for a convolution: 'filter' / 'channel'" in split_problem(nn.Conv2d(4, 4, 3), "column", 2)
+    assert "splits an nn.Conv1d/2d/3d" in split_problem(nn.Linear(4, 4), "filter", 2)
+    assert split_problem(nn.Conv3d(4, 6, 3), "filter_gather", 2) == ""
+
+
+@pytest.mark.parametrize("how", ["by hand", "from a plan"])
+def test_filter_and_channel_parallel_convs_train_like_the_plain_convs(ranks, how):
     x, y = make_data((9, 8))
     want = train(channel_net(), x, y, "adam")
-    for rank, got in enumerate(ranks("mpi", 2).run(channel_train, timeout=120)):
+    for rank, got in enumerate(ranks("mpi", 2).run(channel_train, how, timeout=120)):
         assert close(got["logits"], want["logits"]) <= TOL, rank
         assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= TOL, rank
         assert close(got["input_grad"], want["input_grad"]) <= TOL, rank

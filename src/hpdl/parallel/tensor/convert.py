@@ -98,6 +98,12 @@ def _convert(module: nn.Module, style: str, comm: Communicator, where: str) -> n
         return VocabParallelEmbedding.from_embedding(module, comm)
     if style not in TP_STYLES:
         raise ValueError(f"{where}: unknown style {style!r}; styles: {sorted(TP_STYLES)}")
+    if style in ("filter", "filter_gather", "channel"):
+        from hpdl.parallel.spatial.channel import ChannelParallelConv, FilterParallelConv  # (spatial imports tensor)
+
+        if style == "channel":
+            return ChannelParallelConv(module, comm)  # type: ignore[arg-type]
+        return FilterParallelConv(module, comm, gather_output=style == "filter_gather")  # type: ignore[arg-type]
     if not isinstance(module, nn.Linear):
         raise TypeError(f"{where}: style {style!r} needs an nn.Linear, found {type(module).__name__}")
     if style == "row":

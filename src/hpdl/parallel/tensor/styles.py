@@ -19,8 +19,15 @@ TP_STYLES = {
     "qkv": "fused query/key/value Linear split by attention heads (3 column blocks); attention runs on local heads",
     "vocab": "VocabParallelEmbedding: vocabulary rows split; the lookups are summed across tp ranks",
     "column_gather": "ColumnParallelLinear whose output is gathered back to full width (e.g. an output layer)",
+    "filter": "FilterParallelConv: a convolution's filters (output channels) split; the output stays split "
+    "(pair it with a 'channel' layer): the convolutional 'column'",
+    "channel": "ChannelParallelConv: a convolution's input channels split; the partial outputs are summed: "
+    "the convolutional 'row'",
+    "filter_gather": "FilterParallelConv whose output channels are gathered back (e.g. before a batch norm)",
 }
 """Tensor-parallel styles that `Plan.tp_plan` may name, with what each does."""
+
+_CONV_STYLES = ("filter", "channel", "filter_gather")
 
 
 def split_problem(module: Any, style: str, tp: int) -> str:
@@ -31,8 +38,20 @@ def split_problem(module: Any, style: str, tp: int) -> str:
         if module.num_embeddings % tp:
             return f"the vocabulary ({module.num_embeddings}) does not divide by {tp}"
         return ""
+    if style in _CONV_STYLES:
+        if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return f"'{style}' splits an nn.Conv1d/2d/3d; this is a {type(module).__name__}"
+        if module.groups != 1:
+            return f"groups={module.groups}: grouped convolutions are not split"
+        if module.padding_mode != "zeros":
+            return f"padding_mode={module.padding_mode!r}: only zeros padding is split"
+        what, extent = (
+            ("in_channels", module.in_channels) if style == "channel" else ("out_channels", module.out_channels)
+        )
+        return f"{what} ({extent}) does not divide by {tp}" if extent % tp else ""
     if not isinstance(module, nn.Linear):
-        return f"'{style}' splits an nn.Linear; this is a {type(module).__name__}"
+        hint = " (for a convolution: 'filter' / 'channel')" if isinstance(module, nn.modules.conv._ConvNd) else ""
+        return f"'{style}' splits an nn.Linear; this is a {type(module).__name__}{hint}"
     if style == "row":
         return f"in_features ({module.in_features}) does not divide by {tp}" if module.in_features % tp else ""
     if style == "qkv":
