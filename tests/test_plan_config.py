@@ -42,7 +42,7 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path):
         Plan.from_file(str(path))
     assert "'zero', 'microbatches'" in str(
         err.value
-    ) and "valid keys: dp, pp, tp, sp, spatial_dim, spatial_grid, zero_stage" in str(err.value)
+    ) and "valid keys: dp, pp, tp, sp, spatial_dim, spatial_grid, spatial_stages, zero_stage" in str(err.value)
     (tmp_path / "bad.toml").write_text("dp = [")
     with pytest.raises(PlanError, match="not valid TOML"):
         Plan.from_file(str(tmp_path / "bad.toml"))
@@ -69,9 +69,9 @@ def test_unknown_keys_are_named_with_the_valid_ones(tmp_path):
         ({"placement": ("tp", "dp")}, r"placement=\['tp', 'dp'\] must order the axes"),
         ({"bucket_mb": 0}, r"bucket_mb=0 must be a positive number"),
         ({"pp": 2, "balance": [1, 1, 1]}, r"balance=\[1, 1, 1\] lists 3 stages but pp=2"),
-        ({"sp": 2, "pp": 2, "micro_batches": 2}, r"sp=2 \(spatial\) combines with dp only; got pp=2.*wrap_stage"),
-        ({"sp": 2, "tp": 2}, r"sp=2 \(spatial\) combines with dp only; got tp=2"),
-        ({"sp": 2, "zero_stage": 1}, r"combines with dp only; got zero_stage=1"),
+        ({"sp": 2, "tp": 2}, r"sp=2 \(spatial\) combines with dp and pp only; got tp=2.*'filter'/'channel'"),
+        ({"sp": 2, "zero_stage": 1}, r"combines with dp and pp only; got zero_stage=1"),
+        ({"sp": 2, "pp": 2, "micro_batches": 2, "spatial_stages": 3}, r"spatial_stages=3 must be 1..pp \(2\)"),
         ({"sp": -1, "dp": -1}, r"at most one degree may be -1"),
         ({"spatial_dim": 1}, r"spatial_dim=1 must be 2 or more"),
         ({"sp": 4, "spatial_dim": [2, 3], "spatial_grid": [2, 3]}, r"dim 2\(2\) \* dim 3\(3\) = 6 != the group's 4"),

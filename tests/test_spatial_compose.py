@@ -214,13 +214,44 @@ def spatial_pipeline_train(comm):
     return state, losses
 
 
-def test_a_pipeline_whose_first_stage_is_spatial_over_two_ranks_equals_one_process(ranks):
+def spatial_pipeline_from_a_plan(comm, path: str):
+    """The same layout from Plan(sp=2, pp=2): build puts the first stage in SpatialParallel over mesh.sp; its
+    mesh checkpoint loads into the plain model."""
+    plan = Plan(dp=1, sp=2, pp=2, micro_batches=2, balance=[FIRST_STAGE, 10], spatial_stages=1)
+    mesh = Mesh.from_plan(comm, plan)
+    pipe, opt = build(make_net(2, batch_norm=False), mesh, plan, optimizer=torch.optim.SGD, lr=0.1, momentum=0.9)
+    first = pipe.is_first
+    x, y = make_data((23, 7))
+    losses = []
+    for step in range(x.shape[0]):
+        opt.zero_grad()
+        loss = pipe.step(pipe.module.shard(x[step]) if first else None, None if first else y[step], F.cross_entropy)
+        opt.step()
+        losses.append(float(loss))
+    mesh_state.save(path, pipe, opt, mesh)
+    plain = make_net(2, batch_norm=False)
+    mesh_state.load(path, plain)
+    kind = type(pipe.module).__name__
+    pipe.close()
+    mesh.close()
+    return {k: v.clone() for k, v in plain.state_dict().items()}, losses, kind
+
+
+@pytest.mark.parametrize("how", ["by hand", "from a plan"])
+def test_a_pipeline_whose_first_stage_is_spatial_over_two_ranks_equals_one_process(ranks, how, tmp_path):
     x, y = make_data((23, 7))
     want = train(make_net(2, batch_norm=False), x, y, "sgd")
-    results = ranks("mpi", 4).run(spatial_pipeline_train, timeout=120)
-    for rank, (state, losses) in enumerate(results):
+    if how == "by hand":
+        results = ranks("mpi", 4).run(spatial_pipeline_train, timeout=120)
+    else:
+        results = ranks("mpi", 4).run(spatial_pipeline_from_a_plan, str(tmp_path / "ckpt"), timeout=120)
+    for rank, (state, losses, *kind) in enumerate(results):
         assert max(abs(a - b) for a, b in zip(losses, want["losses"])) <= TOL, rank
-        expected = {k: v for k, v in want["state"].items() if (int(k.split(".")[0]) < FIRST_STAGE) == (rank < 2)}
+        if how == "by hand":
+            expected = {k: v for k, v in want["state"].items() if (int(k.split(".")[0]) < FIRST_STAGE) == (rank < 2)}
+        else:  # the whole model, loaded from the checkpoint the four ranks wrote
+            expected = want["state"]
+            assert kind == ["SpatialParallel" if rank < 2 else "Sequential"], rank
         assert_state(state, expected, f"rank {rank}")
 
 

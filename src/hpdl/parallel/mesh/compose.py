@@ -5,8 +5,9 @@
 
 It sits above every strategy package and composes them in torchtitan's
 order: tensor parallelism, the pipeline, then data parallelism or ZeRO. A
-spatial plan (sp > 1, with dp only) wraps the model in `SpatialParallel`
-over `mesh.sp`, its gradients averaged over dp x sp.
+spatial plan (sp > 1) wraps the model, or with a pipeline its first
+`spatial_stages` stages, in `SpatialParallel` over `mesh.sp`, their
+gradients averaged over dp x sp.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hpdl.parallel.mesh.plan_config import DEGREES, Plan, PlanError
 from hpdl.parallel.mesh.state import LAYER_NAMES
 from hpdl.parallel.pipe import Pipeline
 from hpdl.parallel.spatial import SpatialParallel
+from hpdl.parallel.spatial.convert import GLOBAL_POOLS
 from hpdl.parallel.tensor import parallelize
 from hpdl.parallel.zero_redundancy import zero
 
@@ -47,13 +49,14 @@ def build(
     its tp slices, its ZeRO shard).
 
     Without a pipeline the result is a module: `loss_fn(model(x), y).backward();
-    optimizer.step()`. With sp > 1 it is a `SpatialParallel` over `mesh.sp`
+    optimizer.step()`. With sp > 1 (and pp = 1) it is a `SpatialParallel` over `mesh.sp`
     whose gradients are averaged over `mesh.group("dp", "sp")`: each dp
     replica takes its slice of the batch and each rank of its spatial group
     passes its slab, `hpdl.parallel.spatial.shard(x, mesh.sp, plan.spatial_dim, plan.spatial_grid)` (or the
     returned model's own `shard(x)`).
     With a pipeline it is a `Pipeline`: `loss = pipe.step(x, y, loss_fn);
-    optimizer.step()`. When the plan splits the output layer's
+    optimizer.step()` (with sp > 1 its first `plan.spatial_stages` stages are spatial; their ranks pass
+    `pipe.module.shard(x)`). When the plan splits the output layer's
     vocabulary (GPT's tp_plan), compute the loss with
     `hpdl.parallel.tensor.vocab_parallel_cross_entropy(logits, y, mesh.tp)`.
     Collective over the mesh's world.
@@ -78,7 +81,7 @@ def build(
             f"build: the plan places the axes {list(plan.placement)} but the mesh {list(mesh.placement)}; "
             "build the mesh with Mesh.from_plan"
         )
-    if plan.sp > 1:
+    if plan.sp > 1 and plan.pp == 1:
         return _build_spatial(model, mesh, plan, optimizer, optimizer_options)
     if mesh.tp.size > 1:
         parallelize(model, mesh.tp, plan.tp_plan_for(model))
@@ -133,8 +136,23 @@ def _build_pipeline(
     if not isinstance(model, nn.Sequential):
         raise PlanError(f"build: pp={plan.pp} splits an nn.Sequential into stages; got {type(model).__name__}")
     made: dict[str, torch.optim.Optimizer] = {}
+    stage_index = mesh.pp.rank
+    spatial_grads = mesh.group("dp", "sp") if plan.sp > 1 else None  # collective: every rank, before any stage
 
     def wrap(stage: nn.Module) -> nn.Module:
+        if plan.sp > 1 and stage_index < plan.spatial_stages:
+            # spatial + layer parallelism: this stage's activations split over sp; the last spatial stage hands
+            # whole tensors on (unless its global pool / Flatten already made them whole)
+            ends_whole = any(isinstance(m, (*GLOBAL_POOLS, nn.Flatten)) for m in stage.modules())
+            return SpatialParallel(
+                stage,
+                mesh.sp,
+                plan.spatial_dim,
+                grid=plan.spatial_grid,
+                grad_comm=spatial_grads,
+                bucket_mb=plan.bucket_mb,
+                gather_output=stage_index == plan.spatial_stages - 1 and not ends_whole,
+            )
         if plan.zero_stage:
             zmodel, zopt = zero(
                 stage,

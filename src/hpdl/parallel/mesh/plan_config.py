@@ -74,6 +74,9 @@ class Plan:
     blocks on a grid ([2, 3]: height x width); used when sp > 1."""
     spatial_grid: Optional[list[int]] = None
     """Ranks per split dimension of a list `spatial_dim`, multiplying to sp (None: the most even grid)."""
+    spatial_stages: int = 1
+    """With sp > 1 and pp > 1: how many leading pipeline stages split their activations over sp (MPI4DL's
+    spatial + layer parallelism); the later stages run whole on each rank of the spatial group."""
     zero_stage: int = 0
     """ZeRO stage over the data-parallel group: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters."""
     micro_batches: int = 1
@@ -204,18 +207,24 @@ class Plan:
             normalize_split(dims, grid, self.sp if self.sp > 0 else math.prod(grid or (1,)), "Plan")
         except ValueError as exc:
             raise PlanError(f"{exc} (spatial_dim, spatial_grid, sp)") from None
+        _check_int("spatial_stages", self.spatial_stages, None)
+        if self.pp > 0 and not 1 <= self.spatial_stages <= self.pp:
+            raise PlanError(
+                f"Plan: spatial_stages={self.spatial_stages} must be 1..pp ({self.pp}): the leading stages that run "
+                "spatially"
+            )
         if self.sp == 1:
             return
-        others = [f"{name}={getattr(self, name)}" for name in ("pp", "tp") if getattr(self, name) != 1]
+        others = [f"tp={self.tp}"] if self.tp != 1 else []
         if self.zero_stage:
             others.append(f"zero_stage={self.zero_stage}")
         if self.compression is not None:
             others.append(f"compression={self.compression!r}")
         if others:
             raise PlanError(
-                f"Plan: sp={self.sp} (spatial) combines with dp only; got {', '.join(others)}. Spatial stages in a "
-                "pipeline are built by hand: Pipeline(model, comm, wrap_stage=lambda s: SpatialParallel(s, sp, "
-                "gather_output=True)) (docs/spatial.md)"
+                f"Plan: sp={self.sp} (spatial) combines with dp and pp only; got {', '.join(others)}. Split the "
+                "convolutions' channels with the 'filter'/'channel' tp styles instead, or use dp for more ranks "
+                "(docs/spatial.md)"
             )
 
     # ------------------------------------------------------------------ derived values
@@ -379,13 +388,16 @@ class Plan:
             styles = ", ".join(f"{k}: {v}" for k, v in (self.tp_plan or {}).items()) or "the model's own tp_plan"
             lines.append(f"tensor    {styles}")
         if self.sp != 1:
+            stages = f", pipeline stages 0..{self.spatial_stages - 1}" if self.pp > 1 else ""
             if isinstance(self.spatial_dim, tuple):
                 from hpdl.parallel.spatial.grid import grid_shape
 
                 grid = " x ".join(map(str, self.spatial_grid or grid_shape(self.sp, len(self.spatial_dim))))
-                lines.append(f"spatial   each sample split in {self.sp} blocks ({grid}) along dims {self.spatial_dim}")
+                lines.append(
+                    f"spatial   each sample split in {self.sp} blocks ({grid}) along dims {self.spatial_dim}{stages}"
+                )
             else:
-                lines.append(f"spatial   each sample split in {self.sp} slabs along dim {self.spatial_dim}")
+                lines.append(f"spatial   each sample split in {self.sp} slabs along dim {self.spatial_dim}{stages}")
         return "\n".join(lines)
 
 
