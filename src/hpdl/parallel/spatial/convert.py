@@ -18,6 +18,7 @@ from torch import nn
 from hpdl.comm.base import Communicator
 from hpdl.parallel.spatial.extent import SpatialContext
 from hpdl.parallel.spatial.layers import (
+    Placement,
     SpatialBatchNorm,
     SpatialConv,
     SpatialFlatten,
@@ -115,17 +116,18 @@ def _convert_one(
     if isinstance(module, SpatialLayer):
         raise ValueError(f"spatial: {name} is already a spatial layer; wrap the plain model once")
     made: Optional[SpatialLayer] = None
+    place = Placement(comm, dim, name, state.next_id, context, state.axes)
     if isinstance(module, CONVS):
-        made = SpatialConv(module, comm, dim, name, state.next_id, context, state.axes)
+        made = SpatialConv(module, place)
     elif isinstance(module, POOLS):
-        made = SpatialPool(module, comm, dim, name, state.next_id, context, state.axes)
+        made = SpatialPool(module, place)
     elif isinstance(module, NORMS):
-        made = SpatialBatchNorm(module, comm, dim, name, state.next_id, context, state.axes)
+        made = SpatialBatchNorm(module, place)
     elif isinstance(module, GLOBAL_POOLS):
-        made = SpatialGlobalPool(module, comm, dim, name, state.next_id, context, state.axes)
+        made = SpatialGlobalPool(module, place)
         state.replicated = True
     elif isinstance(module, nn.Flatten):
-        made = SpatialFlatten(module, comm, dim, name, state.next_id, context, state.axes)
+        made = SpatialFlatten(module, place)
         state.replicated = True
     elif isinstance(module, ELEMENTWISE):
         return None

@@ -19,6 +19,7 @@ pools), each axis's exchange runs on that axis's group.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -36,27 +37,33 @@ __all__ = ["SpatialLayer", "SpatialConv", "SpatialPool", "SpatialBatchNorm", "Sp
 CALLS_PER_TAG = 16
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a spatial layer runs: its group, split dimension, name and number in the model, the model's
+    shared context, and for a grid split (dim, group) per axis with `comm` the whole grid."""
+
+    comm: Communicator
+    dim: int
+    name: str
+    layer_id: int
+    context: Optional[SpatialContext] = None
+    axes: Optional[Sequence[tuple[int, Communicator]]] = None
+
+
 class SpatialLayer(nn.Module):
     """Shared by the spatial layers: the group, the split dimension, and the per-layer halo bookkeeping."""
 
     spatial_params = True
     """Whether this layer's parameter gradients are partial (one slab's share) and must be summed."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        dim: int,
-        name: str,
-        layer_id: int,
-        context: Optional[SpatialContext],
-        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
-    ):
+    def __init__(self, place: Placement):
         super().__init__()
-        self.comm, self.split_dim, self.layer_name, self.layer_id = comm, dim, name, layer_id
-        self.axes: list[tuple[int, Communicator]] = list(axes) if axes else [(dim, comm)]
+        comm, dim = place.comm, place.dim
+        self.comm, self.split_dim, self.layer_name, self.layer_id = comm, dim, place.name, place.layer_id
+        self.axes: list[tuple[int, Communicator]] = list(place.axes) if place.axes else [(dim, comm)]
         """(split dimension, its group) per grid axis; one axis: (dim, comm)."""
         self.split_dims = [d for d, _ in self.axes]
-        self.context = context
+        self.context = place.context
         self.stats = HaloStats()
         self.overlap = True
         self._windows: dict[tuple[int, int, int], list[Window]] = {}
@@ -189,17 +196,9 @@ def conv_padding(conv: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
 class SpatialConv(_WindowLayer):
     """Conv1d/2d/3d over the whole image, computed on this rank's slab plus halos."""
 
-    def __init__(
-        self,
-        conv: nn.modules.conv._ConvNd,
-        comm: Communicator,
-        dim: int,
-        name: str,
-        layer_id: int,
-        context: Optional[SpatialContext],
-        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
-    ):
-        super().__init__(comm, dim, name, layer_id, context, axes)
+    def __init__(self, conv: nn.modules.conv._ConvNd, place: Placement):
+        super().__init__(place)
+        name = place.name
         n = len(conv.kernel_size)
         for split in self.split_dims:
             if not 2 <= split < 2 + n:
@@ -238,17 +237,9 @@ class SpatialConv(_WindowLayer):
 class SpatialPool(_WindowLayer):
     """MaxPool/AvgPool 1d/2d/3d over the whole image (floor mode)."""
 
-    def __init__(
-        self,
-        pool: nn.Module,
-        comm: Communicator,
-        dim: int,
-        name: str,
-        layer_id: int,
-        context: Optional[SpatialContext],
-        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
-    ):
-        super().__init__(comm, dim, name, layer_id, context, axes)
+    def __init__(self, pool: nn.Module, place: Placement):
+        super().__init__(place)
+        name = place.name
         kind = type(pool).__name__
         self.nd = int(kind[-2])
         for split in self.split_dims:
@@ -376,17 +367,8 @@ class SpatialBatchNorm(SpatialLayer):
     running_var: Optional[torch.Tensor]
     num_batches_tracked: Optional[torch.Tensor]
 
-    def __init__(
-        self,
-        bn: nn.modules.batchnorm._BatchNorm,
-        comm: Communicator,
-        dim: int,
-        name: str,
-        layer_id: int,
-        context: Optional[SpatialContext],
-        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
-    ):
-        super().__init__(comm, dim, name, layer_id, context, axes)
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, place: Placement):
+        super().__init__(place)
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
         self.weight, self.bias = bn.weight, bn.bias
@@ -420,17 +402,9 @@ class SpatialGlobalPool(SpatialLayer):
 
     spatial_params = False
 
-    def __init__(
-        self,
-        pool: nn.Module,
-        comm: Communicator,
-        dim: int,
-        name: str,
-        layer_id: int,
-        context: Optional[SpatialContext],
-        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
-    ):
-        super().__init__(comm, dim, name, layer_id, context, axes)
+    def __init__(self, pool: nn.Module, place: Placement):
+        super().__init__(place)
+        name = place.name
         self.pool = pool
         self.is_max = type(pool).__name__.startswith("AdaptiveMax")
         if getattr(pool, "return_indices", False):
@@ -462,17 +436,8 @@ class SpatialFlatten(SpatialLayer):
 
     spatial_params = False
 
-    def __init__(
-        self,
-        flatten: nn.Flatten,
-        comm: Communicator,
-        dim: int,
-        name: str,
-        layer_id: int,
-        context: Optional[SpatialContext],
-        axes: Optional[Sequence[tuple[int, Communicator]]] = None,
-    ):
-        super().__init__(comm, dim, name, layer_id, context, axes)
+    def __init__(self, flatten: nn.Flatten, place: Placement):
+        super().__init__(place)
         self.flatten = flatten
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
