@@ -7,11 +7,11 @@ reduces its statistics over the slabs, a global pool or Flatten ends the
 split and the head runs replicated. See docs/spatial.md.
 """
 
-from hpdl.parallel.spatial.channel import ChannelParallelConv, FilterParallelConv
 from hpdl.parallel.spatial.halo import HaloStats
 from hpdl.parallel.spatial.partition import even_split, plan_windows
 from hpdl.parallel.spatial.slabs import gather, shard, sum_over_slabs
 from hpdl.parallel.spatial.wrapper import SpatialParallel
+from hpdl.parallel.tensor.conv import ChannelParallelConv, FilterParallelConv
 
 __all__ = [
     "SpatialParallel",

@@ -1,9 +1,11 @@
 """Tensor (intra-layer) parallelism: Megatron-LM's column/row-parallel layers, vocabulary-parallel embedding and
-cross-entropy, parallel self-attention, and `parallelize` (in `convert`) to turn a plain model's layers into them by
-name pattern, in the styles of `styles`."""
+cross-entropy, parallel self-attention, their convolutional analogues (filter/channel-parallel convolutions,
+`conv`), and `parallelize` (in `convert`) to turn a plain model's layers into them by name pattern, in the styles
+of `styles`."""
 
 from hpdl.parallel.tensor.attention import ParallelSelfAttention
 from hpdl.parallel.tensor.comm_ops import copy_to_tp, gather_from_tp, reduce_from_tp
+from hpdl.parallel.tensor.conv import ChannelParallelConv, FilterParallelConv
 from hpdl.parallel.tensor.convert import parallelize
 from hpdl.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from hpdl.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -15,6 +17,8 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "FilterParallelConv",
+    "ChannelParallelConv",
     "ParallelSelfAttention",
     "vocab_parallel_cross_entropy",
     "parallelize",

@@ -2,7 +2,7 @@
 
     copy_to_tp      "f": identity in forward, allreduce of the gradient in backward (before a column layer)
     reduce_from_tp  "g": allreduce in forward, identity in backward (after a row layer)
-    gather_from_tp  allgather along the last dim in forward, this rank's slice of the gradient in backward
+    gather_from_tp  allgather along a dim (the last by default) in forward, this rank's slice of the gradient back
 
 A column-parallel layer followed by a row-parallel one costs one allreduce
 in forward (g) and one in backward (f) for the pair. Each function takes
@@ -51,18 +51,18 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        ctx.width = x.shape[-1]
-        # allgather concatenates along dim 0: move the last dim first, gather, move it back
-        moved = x.movedim(-1, 0).contiguous()
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        ctx.width = x.shape[dim]
+        # allgather concatenates along dim 0: move `dim` first, gather, move it back
+        moved = x.movedim(dim, 0).contiguous()
         gathered = comm.allgather(moved, sizes=[moved.shape[0]] * comm.size)
-        return gathered.movedim(0, -1).contiguous()
+        return gathered.movedim(0, dim).contiguous()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         start = ctx.comm.rank * ctx.width
-        return grad[..., start : start + ctx.width].contiguous(), None
+        return grad.narrow(ctx.dim, start, ctx.width).contiguous(), None, None
 
 
 def copy_to_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -75,6 +75,6 @@ def reduce_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceFromTP.apply(x, comm)
 
 
-def gather_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Concatenate the tp ranks' last-dim slices (rank order) in forward; this rank's slice of the gradient back."""
-    return x if comm.size == 1 else _GatherFromTP.apply(x, comm)
+def gather_from_tp(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
+    """Concatenate the tp ranks' slices along `dim` (rank order) in forward; this rank's slice of the gradient back."""
+    return x if comm.size == 1 else _GatherFromTP.apply(x, comm, dim % x.dim())

@@ -19,6 +19,7 @@ from torch import nn
 
 from hpdl.comm.base import Communicator
 from hpdl.parallel.data.data_parallel import broadcast_tensors
+from hpdl.parallel.tensor.conv import ChannelParallelConv, FilterParallelConv
 from hpdl.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hpdl.parallel.tensor.styles import TP_STYLES, split_problem
 
@@ -99,8 +100,6 @@ def _convert(module: nn.Module, style: str, comm: Communicator, where: str) -> n
     if style not in TP_STYLES:
         raise ValueError(f"{where}: unknown style {style!r}; styles: {sorted(TP_STYLES)}")
     if style in ("filter", "filter_gather", "channel"):
-        from hpdl.parallel.spatial.channel import ChannelParallelConv, FilterParallelConv  # (spatial imports tensor)
-
         if style == "channel":
             return ChannelParallelConv(module, comm)  # type: ignore[arg-type]
         return FilterParallelConv(module, comm, gather_output=style == "filter_gather")  # type: ignore[arg-type]

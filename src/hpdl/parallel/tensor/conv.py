@@ -6,7 +6,9 @@
                          every filter and the partial sums are added (one allreduce; like RowParallelLinear)
 
 A filter layer followed by a channel layer costs one allreduce forward and
-one backward for the pair, nothing in between. Parameters keep the plain
+one backward for the pair, nothing in between. They are the tensor-parallel
+styles "filter", "channel" and "filter_gather" of `parallelize`, and
+`hpdl.parallel.spatial` exports them beside its spatial layers. Parameters keep the plain
 layer's names, with `tp_shards` saying where each slice sits in the full
 tensor, so `hpdl.parallel.tensor.full_state_dict` assembles the plain model.
 """
@@ -20,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.spatial.slabs import gather
-from hpdl.parallel.tensor.comm_ops import copy_to_tp, reduce_from_tp
+from hpdl.parallel.tensor.comm_ops import copy_to_tp, gather_from_tp, reduce_from_tp
 from hpdl.parallel.tensor.shards import TPShard
 
 __all__ = ["FilterParallelConv", "ChannelParallelConv"]
@@ -71,7 +72,7 @@ class FilterParallelConv(_ParallelConv):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(copy_to_tp(x, self.comm), self.weight, self.bias)
-        return gather(y, self.comm, 1) if self.gather_output else y
+        return gather_from_tp(y, self.comm, dim=1) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"{self.in_channels} -> {self.out_channels} ({self.weight.shape[0]} here), group of {self.comm.size}"
