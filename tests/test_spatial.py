@@ -130,6 +130,9 @@ def grid_train(comm, nd, shape, dims, grid, opt_name):
     got["state"] = {k.removeprefix("module."): v for k, v in got["state"].items()}
     got["grads"] = {k.removeprefix("module."): v for k, v in got["grads"].items()}
     got["sent"] = model.halo_stats.bytes_sent
+    last = len(dims) - 1  # the picture of the last axis's split, over that axis's ranks
+    got["picture"] = model.describe(shape[dims[last] - 2], axis=last)
+    got["grid"] = model.grid
     return got
 
 
@@ -162,6 +165,10 @@ def test_a_grid_split_over_several_dimensions_equals_one_process(ranks, nprocs, 
         for name, v in want["state"].items():
             assert close(got["state"][name], v) <= TOL, f"{what}: {name}"
         assert got["sent"] > 0, what
+        last = len(dims) - 1
+        picture = got["picture"]
+        assert f"input: {shape[dims[last] - 2]} rows over {got['grid'][last]} ranks (grid axis {last})" in picture
+        assert picture.count("  rank 0:") > 0 and f"  rank {got['grid'][last]}:" not in picture, picture
 
 
 def grid_round_trip(comm):

@@ -7,12 +7,14 @@ from typing import Any
 __all__ = ["describe_layers"]
 
 
-def describe_layers(layers: list[tuple[str, Any]], rows: int, ranks: int) -> str:
-    """One block per window layer: per rank, owned input rows, output rows, halo rows above/below and their source."""
+def describe_layers(layers: list[tuple[str, Any]], rows: int, ranks: int, axis: int = 0) -> str:
+    """One block per window layer: per rank, owned input rows, output rows, halo rows above/below and their source.
+
+    `axis`: which split dimension of a grid split (its ranks are the ranks along that axis)."""
     from hpdl.parallel.spatial.layers import SpatialFlatten, SpatialGlobalPool, _WindowLayer
     from hpdl.parallel.spatial.partition import window_output_size
 
-    lines = [f"input: {rows} rows over {ranks} ranks"]
+    lines = [f"input: {rows} rows over {ranks} ranks" + (f" (grid axis {axis})" if axis else "")]
     n = rows
     for name, layer in layers:
         if isinstance(layer, (SpatialGlobalPool, SpatialFlatten)):
@@ -23,8 +25,8 @@ def describe_layers(layers: list[tuple[str, Any]], rows: int, ranks: int) -> str
                 f"{name}: {type(layer).__name__}: no halo (statistics over all slabs)" if layer.spatial_params else name
             )
             continue
-        windows = layer.windows(n, ranks)
-        d = layer.split_dim - 2
+        windows = layer.windows(n, ranks, axis)
+        d = layer.axes[axis][0] - 2
         n_out = window_output_size(n, layer.kernel[d], layer.stride[d], layer.dilation[d], *layer.pad[d])
         lines.append(
             f"{name}: {layer.plain} k={layer.kernel[d]} s={layer.stride[d]} d={layer.dilation[d]} pad={layer.pad[d]} "

@@ -160,16 +160,15 @@ class SpatialParallel(nn.Module):
         for _, layer in self.layers:
             layer.overlap = overlap
 
-    def describe(self, rows: int, ranks: Optional[int] = None) -> str:
-        """A text picture of each rank's slab, output rows and halos at every window layer, for `rows` input rows."""
+    def describe(self, rows: int, ranks: Optional[int] = None, axis: int = 0) -> str:
+        """A text picture of each rank's slab, output rows and halos at every window layer, for `rows` input rows
+        (of a grid split: along grid axis `axis`, over that axis's ranks)."""
         from hpdl.parallel.spatial.describe import describe_layers
 
-        if len(self.axes) > 1:
-            raise ValueError(
-                "SpatialParallel.describe draws a split along one dimension; this model splits "
-                f"{len(self.axes)} (grid {self.grid}): describe each axis with a one-dim model"
-            )
-        return describe_layers(self.layers, rows, self.comm.size if ranks is None else ranks)
+        if not 0 <= axis < len(self.axes):
+            raise ValueError(f"SpatialParallel.describe: axis={axis} is not one of the split's {len(self.axes)} axes")
+        parts = self.axes[axis][1].size if ranks is None else ranks
+        return describe_layers(self.layers, rows, parts, axis)
 
     def __repr__(self) -> str:
         layers = len(self.layers)
