@@ -139,6 +139,7 @@ class GemsPipeline(Pipeline):
         self.chunks = chunks
         self._schedules: dict[int, GemsSchedule] = {}
         self._stats = GemsStats()
+        self._exchange_buffers: dict[tuple, torch.Tensor] = {}
 
     def _build(self, layers: list, stage: int, seed: Optional[int]) -> nn.Sequential:
         start = sum(self.balance[:stage])
@@ -289,7 +290,11 @@ class GemsPipeline(Pipeline):
 
 
 class _Exchange:
-    """The gradients of this rank's two copies to and from the partner, started as soon as each copy is done."""
+    """The gradients of this rank's two copies to and from the partner, started as soon as each copy is done.
+
+    The flat buffers are the pipeline's, kept from step to step (a large stage's are tens of megabytes: fresh
+    ones every step cost page faults), and every pass over them is in place: pack, scale, add the partner's.
+    """
 
     def __init__(self, pipe: GemsPipeline):
         self.pipe = pipe
@@ -305,16 +310,26 @@ class _Exchange:
             comm = pipe.comm
             for replica, tag in ((0, TAG_GRAD_OF_B), (1, TAG_GRAD_OF_A)):
                 if self.params[replica]:
-                    box = torch.empty(_numel(self.params[replica]), dtype=_common_dtype(self.params[replica]))
+                    box = self._buffer(("inbox", replica), self.params[replica])
                     self.inbox[replica] = box
                     self.works.append(comm.recv(box, pipe.partner, tag=tag, async_op=True))
+
+    def _buffer(self, key: tuple, params: list) -> torch.Tensor:
+        buffers = self.pipe._exchange_buffers
+        numel, dtype = _numel(params), _common_dtype(params)
+        found = buffers.get(key)
+        if found is None or found.numel() != numel or found.dtype != dtype:
+            found = buffers[key] = torch.empty(numel, dtype=dtype)
+        return found
 
     def start(self, replica: int, share: float) -> None:
         """Replica `replica`'s copy has its step's gradient: weight it by the replica's share of rows, send it."""
         params = self.params[replica]
         if not params:
             return
-        flat = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params]) * share
+        flat = self._buffer(("mine", replica), params)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        torch.cat([g.detach().reshape(-1) for g in grads], out=flat).mul_(share)
         self.mine[replica] = flat
         if not self.local:
             tag = TAG_GRAD_OF_A if replica == 0 else TAG_GRAD_OF_B
@@ -324,25 +339,26 @@ class _Exchange:
         link = self.pipe._engines[0].link
         link.wait(self.works, "the gradients of the mirrored copies", self.pipe.partner)
         if self.local:  # the middle rank of an odd pipeline holds both copies of its stage
-            self.inbox = [self.mine[1], self.mine[0]]
-        sums = []
+            both = [t.clone() if t is not None else None for t in (self.mine[1], self.mine[0])]
+            self.inbox = both
+        summed = []
         for replica in (0, 1):
             mine, theirs = self.mine[replica], self.inbox[replica]
             if mine is not None and theirs is not None:
-                sums.append(mine + theirs)
-        if not sums:
+                summed.append((replica, mine.add_(theirs)))  # the partner adds the same two: equal copies
+        if not summed:
             return
-        total = torch.cat(sums) if len(sums) > 1 else sums[0]
         dp = self.pipe.dp
         if dp is not None and dp.size > 1:
+            total = torch.cat([t for _, t in summed]) if len(summed) > 1 else summed[0][1]
             dp.allreduce(total, "avg")
-        offset = 0
-        for replica in (0, 1):
-            if self.mine[replica] is None:
-                continue
-            size = _numel(self.params[replica])
-            _set_grads(total[offset : offset + size], self.params[replica])
-            offset += size
+            offset = 0
+            for replica, t in summed:
+                _set_grads(total[offset : offset + t.numel()], self.params[replica])
+                offset += t.numel()
+            return
+        for replica, t in summed:
+            _set_grads(t, self.params[replica])
 
 
 def _halves(value: Any, what: str) -> tuple[Any, Any]:
