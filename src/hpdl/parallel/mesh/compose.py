@@ -113,11 +113,21 @@ def _build_spatial(
     optimizer_options: dict[str, Any],
 ) -> tuple[Any, torch.optim.Optimizer]:
     """Sample + spatial parallelism: slabs over mesh.sp; gradients averaged over dp x sp equal one process's."""
-    grads = mesh.group("dp", "sp")
-    wrapped = SpatialParallel(
-        model, mesh.sp, plan.spatial_dim, grid=plan.spatial_grid, grad_comm=grads, bucket_mb=plan.bucket_mb
-    )
+    wrapped = _spatial(model, mesh, plan, mesh.group("dp", "sp"))
     return wrapped, optimizer(wrapped.parameters(), **optimizer_options)
+
+
+def _spatial(model: nn.Module, mesh: Mesh, plan: Plan, grads: Any, gather_output: bool = False) -> SpatialParallel:
+    """`model` split over mesh.sp as the plan says, its gradients averaged over `grads` (the dp x sp group)."""
+    return SpatialParallel(
+        model,
+        mesh.sp,
+        plan.spatial_dim,
+        grid=plan.spatial_grid,
+        grad_comm=grads,
+        bucket_mb=plan.bucket_mb,
+        gather_output=gather_output,
+    )
 
 
 def _build_pipeline(
@@ -144,15 +154,7 @@ def _build_pipeline(
             # spatial + layer parallelism: this stage's activations split over sp; the last spatial stage hands
             # whole tensors on (unless its global pool / Flatten already made them whole)
             ends_whole = any(isinstance(m, (*GLOBAL_POOLS, nn.Flatten)) for m in stage.modules())
-            return SpatialParallel(
-                stage,
-                mesh.sp,
-                plan.spatial_dim,
-                grid=plan.spatial_grid,
-                grad_comm=spatial_grads,
-                bucket_mb=plan.bucket_mb,
-                gather_output=stage_index == plan.spatial_stages - 1 and not ends_whole,
-            )
+            return _spatial(stage, mesh, plan, spatial_grads, stage_index == plan.spatial_stages - 1 and not ends_whole)
         if plan.zero_stage:
             zmodel, zopt = zero(
                 stage,
