@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from hpdl.errors import NotInitializedError
 from hpdl.parallel.spatial import SpatialParallel, even_split, gather, plan_windows, shard
 from hpdl.parallel.spatial.cost import spatial_estimate
 from hpdl.parallel.spatial.grid import coordinates, grid_shape, normalize_split
@@ -133,7 +134,17 @@ def grid_train(comm, nd, shape, dims, grid, opt_name):
     last = len(dims) - 1  # the picture of the last axis's split, over that axis's ranks
     got["picture"] = model.describe(shape[dims[last] - 2], axis=last)
     got["grid"] = model.grid
+    model.close()
+    got["groups closed"] = all(_is_closed(group) for _, group in model.axes if group is not comm)
     return got
+
+
+def _is_closed(group) -> bool:
+    try:
+        group.barrier()
+    except NotInitializedError:  # what a collective on a closed communicator raises
+        return True
+    return False
 
 
 @pytest.mark.parametrize(
@@ -164,7 +175,7 @@ def test_a_grid_split_over_several_dimensions_equals_one_process(ranks, nprocs, 
             assert close(got["grads"][name], g) <= TOL, f"{what}: grad {name}"
         for name, v in want["state"].items():
             assert close(got["state"][name], v) <= TOL, f"{what}: {name}"
-        assert got["sent"] > 0, what
+        assert got["sent"] > 0 and got["groups closed"], what
         last = len(dims) - 1
         picture = got["picture"]
         assert f"input: {shape[dims[last] - 2]} rows over {got['grid'][last]} ranks (grid axis {last})" in picture

@@ -129,6 +129,12 @@ class SpatialParallel(nn.Module):
         """This rank's slab (or grid block) of a whole input `x`."""
         return shard(x, self.comm, self.dim, None if isinstance(self.dim, int) else self.grid)
 
+    def close(self) -> None:
+        """Release the per-axis groups a grid split made (a one-dimension split makes none; `comm` stays open)."""
+        for _, group in self.axes:
+            if group is not self.comm:
+                group.close()
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally; the next backward outside reduces them."""
