@@ -227,7 +227,7 @@ def _validate(argv: list[str]) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, tiny models, few steps (a smoke test)")
     parser.add_argument("--ranks", nargs="+", help="world sizes (default 1 2 4; --quick: 1 2)")
-    parser.add_argument("--models", nargs="+", choices=list(validate.MODELS), help="models (default: mlp gpt)")
+    parser.add_argument("--models", nargs="+", choices=list(validate.MODELS), help="models (default: mlp gpt cnn)")
     parser.add_argument("--cluster", help="cluster file from `hpdl plan calibrate` (default: calibrate now)")
     parser.add_argument("--steps", type=int, help="timed steps per plan (default 5; --quick 2)")
     parser.add_argument("--out", default="bench-results/plan", help="output folder (default bench-results/plan)")

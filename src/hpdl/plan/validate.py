@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["Options", "run", "summarize", "markdown", "plot", "MODELS", "main"]
 
-MODELS = ("mlp", "gpt")
+MODELS = ("mlp", "gpt", "cnn")
 TOLERANCE = 0.25
 BEST_TOLERANCE = 0.10
 
@@ -69,6 +69,9 @@ def model_spec(name: str, quick: bool) -> dict[str, Any]:
     if name == "gpt":
         return {"name": "gpt", "vocab": 64, "block": 16 if quick else 64, "layers": 2 if quick else 4, "heads": 4,
                 "embd": 32 if quick else 192, "batch": 8 if quick else 16}  # fmt: skip
+    if name == "cnn":  # the spatial plans' model: convolutions, batch norm, a stride-2 layer, a replicated head
+        return {"name": "cnn", "size": 32 if quick else 128, "width": 8 if quick else 16, "classes": 10,
+                "batch": 4 if quick else 8}  # fmt: skip
     raise ValueError(f"unknown validation model {name!r}; use {', '.join(MODELS)}")
 
 
@@ -98,6 +101,22 @@ def build_model(spec: dict[str, Any]) -> tuple[Any, Callable[[int, int], tuple[A
             return torch.randn(rows, inputs, generator=g), torch.randint(0, spec["classes"], (rows,), generator=g)
 
         return model, batch, nn.functional.cross_entropy
+    if spec["name"] == "cnn":
+        w, size, classes = spec["width"], spec["size"], spec["classes"]
+
+        def block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+
+        cnn = nn.Sequential(
+            *block(3, w), *block(w, w), *block(w, 2 * w, stride=2), *block(2 * w, 2 * w),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, classes),
+        )  # fmt: skip
+
+        def images(seed: int, rows: int) -> tuple[Any, Any]:
+            g = torch.Generator().manual_seed(seed)
+            return torch.randn(rows, 3, size, size, generator=g), torch.randint(0, classes, (rows,), generator=g)
+
+        return cnn, images, nn.functional.cross_entropy
     from hpdl.models.gpt import GPT, GPTConfig, lm_loss
 
     config = GPTConfig(vocab_size=spec["vocab"], block_size=spec["block"], n_layer=spec["layers"],
@@ -140,6 +159,8 @@ def _run_plan(comm: Any, fields: dict[str, Any], spec: dict[str, Any], steps: in
         times = []
         for i in range(warmup + steps):
             x, y = batch(1000 * i + coords["dp"], rows)
+            if plan.sp > 1:
+                x = wrapped.shard(x)  # this rank's slab of each image
             comm.barrier()
             start = time.perf_counter()
             if plan.pp > 1:
@@ -258,7 +279,7 @@ def predictions(options: Options, cluster: Any) -> tuple[list[dict[str, Any]], d
                 schedules=options.schedules,
                 recompute=options.recompute,
                 measured=True,
-                spatial=False,  # the validation models (an MLP, GPT) have no layer that runs on slabs
+                spatial=name == "cnn",  # dp x sp plans for the model whose layers run on slabs
             )
             for e in result.feasible:
                 rows.append(
