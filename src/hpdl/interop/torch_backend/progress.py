@@ -150,10 +150,7 @@ class Progress:
                 if done:
                     pending = None  # type: ignore[assignment]
             if pending is not None:
-                self._inflight.append(pending)
-                self._ensure_thread()
-                if self._deep_sleep:
-                    self._cond.notify()
+                self._track(pending)
         if pending is None:
             handle._complete(result, error)
         elif in_callback:
@@ -183,15 +180,19 @@ class Progress:
                 except BaseException as exc:  # the operation's own failure goes to the waiting side
                     done, error = True, exc
                 if not done:
-                    self._inflight.append(_Pending([work], None, handle, comm, False))
-                    self._ensure_thread()
-                    if self._deep_sleep:
-                        self._cond.notify()
+                    self._track(_Pending([work], None, handle, comm, False))
         if general:
             return self.submit(comm, lambda: ([begin()], None), handle)
         if done:
             handle._complete(None, error)
         return handle
+
+    def _track(self, pending: _Pending) -> None:
+        """Hand an operation still in flight to the progress thread (under the lock)."""
+        self._inflight.append(pending)
+        self._ensure_thread()
+        if self._deep_sleep:
+            self._cond.notify()
 
     def _wait_for_sequence(self, comm: Communicator) -> None:
         """Until the group's last collective is done and no thread is running futures' callbacks: a callback
