@@ -329,7 +329,7 @@ class _Exchange:
             return
         flat = self._buffer(("mine", replica), params)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        torch.cat([g.detach().reshape(-1) for g in grads], out=flat).mul_(share)
+        _flat(grads, out=flat).mul_(share)
         self.mine[replica] = flat
         if not self.local:
             tag = TAG_GRAD_OF_A if replica == 0 else TAG_GRAD_OF_B
@@ -382,8 +382,8 @@ def _common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return dtypes.pop()
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+def _flat(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors], out=out)
 
 
 def _unflat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
