@@ -91,7 +91,7 @@ def _mpi_info() -> dict[str, Any]:
         mpiexec = find_mpiexec()
     except FileNotFoundError as exc:
         mpiexec = f"not found ({exc})"
-    from hpdl.comm import shm
+    from hpdl.comm import mpi_calls, shm
 
     if shm.enabled():
         sizes = ", ".join(
@@ -109,6 +109,7 @@ def _mpi_info() -> dict[str, Any]:
         "mpiexec": mpiexec,
         "mpi cuda-aware": cuda_aware(),
         "mpi shared-memory collectives": shared,
+        "mpi fast-path calls": mpi_calls.select()[1],
     }
 
 

@@ -43,7 +43,7 @@ class Agreeing(Protocol):
     backend: str
     _ledger: Ledger
 
-    def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Any: ...
+    def _vote(self, vote: torch.Tensor, seq: int) -> None: ...
 
     def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Any: ...
 
@@ -102,7 +102,7 @@ class Ledger:
     the calls since the previous check).
     """
 
-    __slots__ = ("every", "ring", "_vote")
+    __slots__ = ("every", "ring", "_vote", "_values")
 
     def __init__(self, every: int):
         if every < 0:
@@ -110,11 +110,13 @@ class Ledger:
         self.every = every
         self.ring: list[int] = [0] * max(every, 1)
         self._vote = torch.zeros(2, dtype=torch.int64)
+        self._values = memoryview(self._vote.numpy()).cast("B").cast("q")  # type: ignore[arg-type]
+        """The vote's two words: a memoryview reads and stores Python ints several times faster than numpy."""
 
     def vote(self) -> torch.Tensor:
         """The 16 bytes the ranks MAX-reduce: (signature, -signature) of the ring."""
         signature = hash(tuple(self.ring)) & MASK
-        values = self._vote.numpy()
+        values = self._values
         values[0] = signature
         values[1] = -signature
         return self._vote
@@ -122,10 +124,10 @@ class Ledger:
     def clear(self) -> None:
         self.ring[:] = [0] * len(self.ring)  # in place: communicators hold the list itself
 
-    @staticmethod
-    def agreed(vote: torch.Tensor) -> bool:
-        values = vote.numpy()
-        return bool(values[0] == -values[1])
+    def agreed(self) -> bool:
+        """Whether the ranks' signatures were equal (after the MAX allreduce of `vote`)."""
+        values = self._values
+        return values[0] == -values[1]
 
     def lines(self, seq: int) -> bytes:
         """This rank's ring as fixed-width text lines, oldest first (for the error message)."""
@@ -142,8 +144,8 @@ def check(comm: Agreeing, seq: int) -> None:
     """Compare signatures across ranks (one 16-byte allreduce); raise on every rank when they differ."""
     ledger = comm._ledger
     vote = ledger.vote()
-    comm._allreduce(vote, "max", seq).wait()
-    error = None if Ledger.agreed(vote) else mismatch_error(comm, seq)
+    comm._vote(vote, seq)
+    error = None if ledger.agreed() else mismatch_error(comm, seq)
     ledger.clear()  # every rank compared these calls: a later check looks only at newer ones
     if error is not None:
         raise error

@@ -363,7 +363,7 @@ class Communicator(ABC):
             if self._every:  # the calls since the last check must not end the job unchecked
                 vote = self._ledger.vote()
                 self._allreduce(vote, "max", seq).wait(timeout=limit)
-                if not agreement.Ledger.agreed(vote):  # raised by close(), once the engine is released
+                if not self._ledger.agreed():  # raised by close(), once the engine is released
                     self._finalize_error = agreement.mismatch_error(self, seq)
             # A late rank's barrier can match one that the others already gave up on:
             # only ranks that all met in time go on to free what they share.
@@ -544,6 +544,10 @@ class Communicator(ABC):
     def _engine_error(self, op: str, seq: int, exc: Exception) -> Exception:
         """What to raise when the engine itself fails while `op` completes: `exc`, or a backend's clearer error."""
         return exc
+
+    def _vote(self, vote: torch.Tensor, seq: int) -> None:
+        """The agreement check's 16-byte MAX allreduce (agreement.check; a backend may have a shorter one)."""
+        self._allreduce(vote, "max", seq).wait()
 
     def _trace_op(self, op: str, started: float) -> None:
         if self.tracer is not None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from hpdl.comm import agreement, shm
+from hpdl.comm import agreement, mpi_calls, shm
 from hpdl.comm.base import Communicator, is_block_of
 from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
@@ -60,7 +60,6 @@ _NATIVE = {dtype: mpi for dtype, mpi in _MOVE_TYPES.items() if dtype not in (tor
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "prod": MPI.LAND}
 _HALF = (torch.float16, torch.bfloat16)
-_EMPTY = bytearray(8)
 
 
 def library_version() -> str:
@@ -96,24 +95,8 @@ def _loaded_mpi_libraries() -> list[str]:
     return sorted(paths)
 
 
-# A buffer object only names (address, length), so one made for a region stays
-# valid for any tensor later placed there: reuse them (gradient buckets and
-# training buffers come back to the same addresses every step).
-_BUFFERS: dict[tuple[int, int], Any] = {}
-_BUFFER_CACHE_SIZE = 1024
-
-
 def _memory(t: torch.Tensor) -> Any:
-    nbytes = t.numel() * t.element_size()
-    if not nbytes:
-        return _EMPTY[:0]
-    key = (t.data_ptr(), nbytes)
-    memory = _BUFFERS.get(key)
-    if memory is None:
-        if len(_BUFFERS) >= _BUFFER_CACHE_SIZE:
-            _BUFFERS.clear()
-        memory = _BUFFERS[key] = MPI.buffer.fromaddress(key[0], nbytes)
-    return memory
+    return mpi_calls.memory_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _buffer(t: torch.Tensor, dtype: Any) -> list:
@@ -202,17 +185,20 @@ class MpiCommunicator(Communicator):
         self._open_shm_gates()
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
-        self._fast = FastTables()
+        calls, self.calls = mpi_calls.select()
+        """Which MPI calls the fast paths make: compiled (hpdl.comm._mpi_fast) or mpi4py's, and why."""
+        self._fast = FastTables(calls)
         self._fast_allreduce = self._fast.allreduce
         self._fast_reduce_scatter = self._fast.reduce_scatter
         self._fast_move = self._fast.move
         self._fast_broadcast = self._fast.broadcast
-        self._iallreduce = mpi_comm.Iallreduce
-        self._iallgather = mpi_comm.Iallgather
-        self._ireduce_scatter = mpi_comm.Ireduce_scatter_block
-        self._ibcast = mpi_comm.Ibcast
-        self._isend = mpi_comm.Isend
-        self._irecv = mpi_comm.Irecv
+        self._handle = calls.handle(mpi_comm)
+        self._call_allreduce = calls.allreduce
+        self._call_allgather = calls.allgather
+        self._call_reduce_scatter = calls.reduce_scatter
+        self._call_broadcast = calls.broadcast
+        self._call_send = calls.send
+        self._call_recv = calls.recv
         self._slots = self._progress.slots
         self._status = MPI.Status()
         self.shm_status = "not started (starts with the first collective above its size threshold)"
@@ -222,10 +208,11 @@ class MpiCommunicator(Communicator):
         own: one op's low threshold must not send another op's small messages down the general path)."""
         gate = {op: math.inf if closed else float(low) for op, (low, _) in self._shm_thresholds.items()}
         self._shm_smallest = min(gate.values())
-        self._shm_allreduce_from = gate["allreduce"]
-        self._shm_allgather_from = gate["allgather"]
-        self._shm_reduce_scatter_from = gate["reduce_scatter"]
-        self._shm_broadcast_from = gate["broadcast"]
+        # The fast paths also leave messages that need more than an int count to the general path.
+        self._fast_allreduce_below = min(gate["allreduce"], _INT_COUNT)
+        self._fast_allgather_below = min(gate["allgather"], _INT_COUNT)
+        self._fast_reduce_scatter_below = min(gate["reduce_scatter"], _INT_COUNT)
+        self._fast_broadcast_below = min(gate["broadcast"], _INT_COUNT)
 
     # ------------------------------------------------------------------ fast paths
     # The common call on an ordinary contiguous CPU tensor below the shared-memory thresholds,
@@ -240,7 +227,7 @@ class MpiCommunicator(Communicator):
             spec = self._fast_allreduce.get((tensor.dtype, op))
             if spec is not None and tensor.is_cpu and tensor.is_contiguous():
                 nbytes = tensor.nbytes
-                if nbytes < self._shm_allreduce_from:
+                if nbytes < self._fast_allreduce_below:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -250,14 +237,15 @@ class MpiCommunicator(Communicator):
                         self._ring[seq % every] = spec[2] | nbytes << 32 | 1 << 80  # agreement.entry
                         if not seq % every:
                             agreement.check(self, seq)
-                    memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
-                    request = self._iallreduce(_IN_PLACE, [memory, spec[0]], spec[1])
-                    if async_op:
-                        average = (lambda: tensor.div_(self.size)) if op == "avg" else None
-                        return Work(self, "allreduce", seq, request.Test, average, keep=tensor).returns(tensor)
                     try:
-                        if not request.Test():
-                            self._await(request, "allreduce", seq, tensor)
+                        request = self._call_allreduce(
+                            self._handle, tensor.data_ptr(), nbytes, spec[0], spec[1], _NO_WAIT if async_op else _WAIT
+                        )
+                        if async_op:
+                            average = (lambda: tensor.div_(self.size)) if op == "avg" else None
+                            return Work(self, "allreduce", seq, request.Test, average, keep=tensor).returns(tensor)
+                        if request is not None:
+                            Work(self, "allreduce", seq, request.Test, keep=tensor).wait()
                     except MPI.Exception as exc:
                         raise self._engine_error("allreduce", seq, exc) from exc
                     if op == "avg":
@@ -271,19 +259,21 @@ class MpiCommunicator(Communicator):
         if type(tensor) is _Tensor and type(out) is _Tensor and type(sizes) in _SEQUENCES and self._plain:
             spec = self._fast_move.get(tensor.dtype)
             shape = tensor.shape
+            whole = out.shape
             size = self.size
-            if (
-                spec is not None and shape and out.dtype == tensor.dtype and tensor.is_cpu
+            if (  # (trailing dims compared only when there are any: slicing a torch.Size costs 0.2 us)
+                spec is not None and shape and len(whole) == len(shape) and whole[0] == shape[0] * size
+                and (len(shape) == 1 or whole[1:] == shape[1:]) and out.dtype == tensor.dtype and tensor.is_cpu
                 and out.is_cpu and tensor.is_contiguous() and out.is_contiguous() and len(sizes) == size
-                and sizes.count(shape[0]) == size and out.shape[0] == shape[0] * size
-                and out.shape[1:] == shape[1:]
+                and sizes.count(shape[0]) == size
             ):  # fmt: skip
                 nbytes = tensor.nbytes
                 mine = tensor.data_ptr()
-                in_place = mine == out.data_ptr() + nbytes * self.rank and nbytes
-                if mine == out.data_ptr() and nbytes and not in_place:  # the general path says what is wrong
+                at = out.data_ptr()
+                in_place = mine == at + nbytes * self.rank and nbytes
+                if mine == at and nbytes and not in_place:  # the general path says what is wrong
                     return super().allgather(tensor, sizes=sizes, out=out, async_op=async_op)
-                if nbytes * size < self._shm_allgather_from:
+                if nbytes * size < self._fast_allgather_below:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -294,13 +284,15 @@ class MpiCommunicator(Communicator):
                         self._ring[seq % every] = spec[1] | row << 32 | (shape[0] * size + 1) << 80
                         if not seq % every:
                             agreement.check(self, seq)
-                    send = _IN_PLACE if in_place else [_memory(tensor), spec[0]]  # an in-place block: MPI's own form
-                    request = self._iallgather(send, [_memory(out), spec[0]])
-                    if async_op:
-                        return Work(self, "allgather", seq, request.Test, keep=(tensor, out)).returns(out)
                     try:
-                        if not request.Test():
-                            self._await(request, "allgather", seq, (tensor, out))
+                        request = self._call_allgather(
+                            self._handle, 0 if in_place else mine, at, nbytes, spec[0],
+                            _NO_WAIT if async_op else _WAIT,
+                        )  # fmt: skip
+                        if async_op:
+                            return Work(self, "allgather", seq, request.Test, keep=(tensor, out)).returns(out)
+                        if request is not None:
+                            Work(self, "allgather", seq, request.Test, keep=(tensor, out)).wait()
                     except MPI.Exception as exc:
                         raise self._engine_error("allgather", seq, exc) from exc
                     return out
@@ -313,15 +305,20 @@ class MpiCommunicator(Communicator):
             size = self.size
             if spec is not None and shape and not shape[0] % size and tensor.is_cpu and tensor.is_contiguous():
                 nbytes = tensor.nbytes
+                mine = tensor.data_ptr()
                 if out is None:
                     out = torch.empty((shape[0] // size, *shape[1:]), dtype=tensor.dtype)
-                elif not (
-                    out.dtype == tensor.dtype and out.is_cpu and out.is_contiguous()
-                    and out.shape[0] * size == shape[0] and out.shape[1:] == shape[1:]
-                    and (out.data_ptr() != tensor.data_ptr() or not out.numel())
-                ):  # fmt: skip
-                    return super().reduce_scatter(tensor, op, out=out, async_op=async_op)  # which says what is wrong
-                if nbytes < self._shm_reduce_scatter_from:
+                    at = out.data_ptr()
+                else:
+                    block = out.shape
+                    at = out.data_ptr()
+                    if not (
+                        len(block) == len(shape) and block[0] * size == shape[0]
+                        and (len(shape) == 1 or block[1:] == shape[1:]) and out.dtype == tensor.dtype
+                        and out.is_cpu and out.is_contiguous() and (at != mine or not block[0])
+                    ):  # fmt: skip
+                        return super().reduce_scatter(tensor, op, out=out, async_op=async_op)  # it says what is wrong
+                if nbytes < self._fast_reduce_scatter_below:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -331,14 +328,17 @@ class MpiCommunicator(Communicator):
                         self._ring[seq % every] = spec[2] | nbytes << 32 | 1 << 80
                         if not seq % every:
                             agreement.check(self, seq)
-                    request = self._ireduce_scatter([_memory(tensor), spec[0]], [_memory(out), spec[0]], spec[1])
-                    if async_op:
-                        average = (lambda: out.div_(size)) if op == "avg" else None
-                        work = Work(self, "reduce_scatter", seq, request.Test, average, keep=(tensor, out))
-                        return work.returns(out)
                     try:
-                        if not request.Test():
-                            self._await(request, "reduce_scatter", seq, (tensor, out))
+                        request = self._call_reduce_scatter(
+                            self._handle, mine, at, nbytes // size, spec[0], spec[1],
+                            _NO_WAIT if async_op else _WAIT,
+                        )  # fmt: skip
+                        if async_op:
+                            average = (lambda: out.div_(size)) if op == "avg" else None
+                            work = Work(self, "reduce_scatter", seq, request.Test, average, keep=(tensor, out))
+                            return work.returns(out)
+                        if request is not None:
+                            Work(self, "reduce_scatter", seq, request.Test, keep=(tensor, out)).wait()
                     except MPI.Exception as exc:
                         raise self._engine_error("reduce_scatter", seq, exc) from exc
                     if op == "avg":
@@ -353,7 +353,7 @@ class MpiCommunicator(Communicator):
                 spec = self._fast.add_broadcast(tensor.dtype, root)
             if spec is not None and tensor.is_cpu and tensor.is_contiguous():
                 nbytes = tensor.nbytes
-                if nbytes < self._shm_broadcast_from:
+                if nbytes < self._fast_broadcast_below:
                     seq = self._seq = self._seq + 1
                     slots = self._slots
                     slots[0] = seq
@@ -363,13 +363,14 @@ class MpiCommunicator(Communicator):
                         self._ring[seq % every] = spec[1] | nbytes << 32 | 1 << 80
                         if not seq % every:
                             agreement.check(self, seq)
-                    memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
-                    request = self._ibcast([memory, spec[0]], root)
-                    if async_op:
-                        return Work(self, "broadcast", seq, request.Test, keep=tensor).returns(tensor)
                     try:
-                        if not request.Test():
-                            self._await(request, "broadcast", seq, tensor)
+                        request = self._call_broadcast(
+                            self._handle, tensor.data_ptr(), nbytes, spec[0], root, _NO_WAIT if async_op else _WAIT
+                        )
+                        if async_op:
+                            return Work(self, "broadcast", seq, request.Test, keep=tensor).returns(tensor)
+                        if request is not None:
+                            Work(self, "broadcast", seq, request.Test, keep=tensor).wait()
                     except MPI.Exception as exc:
                         raise self._engine_error("broadcast", seq, exc) from exc
                     return tensor
@@ -382,11 +383,10 @@ class MpiCommunicator(Communicator):
                 spec is not None and 0 <= dst < self.size and dst != self.rank
                 and tensor.is_cpu and tensor.is_contiguous()
             ):  # fmt: skip
-                memory = _BUFFERS.get((tensor.data_ptr(), tensor.nbytes)) or _memory(tensor)
-                request = self._isend([memory, spec[0]], dst, tag)
                 try:
-                    if not request.Test():
-                        self._await(request, f"send to {dst}", -1, tensor)
+                    request = self._call_send(self._handle, tensor.data_ptr(), tensor.nbytes, spec[0], dst, tag, _WAIT)
+                    if request is not None:
+                        Work(self, f"send to {dst}", -1, request.Test, keep=tensor).wait()
                 except MPI.Exception as exc:
                     raise self._engine_error(f"send to {dst}", -1, exc) from exc
                 return tensor
@@ -400,18 +400,27 @@ class MpiCommunicator(Communicator):
                 and tensor.is_cpu and tensor.is_contiguous()
             ):  # fmt: skip
                 nbytes = tensor.nbytes
-                status = self._status
-                memory = _BUFFERS.get((tensor.data_ptr(), nbytes)) or _memory(tensor)
-                request = self._irecv([memory, spec[0]], src, tag)
                 try:
-                    if not request.Test(status):
-                        self._await(request, f"recv from {src}", -1, tensor, status)
+                    got = self._call_recv(self._handle, tensor.data_ptr(), nbytes, spec[0], src, tag, _WAIT)
+                    if type(got) is not int:
+                        status = self._status
+                        Work(self, f"recv from {src}", -1, lambda: got.Test(status), keep=tensor).wait()
+                        got = status.Get_count(_BYTE)
                 except MPI.Exception as exc:
                     raise _recv_error(exc, src, tag, tensor) from None
-                if status.Get_count(_BYTE) != nbytes:
-                    raise _short_message(status.Get_count(_BYTE), src, tag, tensor)
+                if got != nbytes:
+                    raise _short_message(got, src, tag, tensor)
                 return tensor
         return super().recv(tensor, src, tag=tag, async_op=async_op)
+
+    def _vote(self, vote: torch.Tensor, seq: int) -> None:
+        """The agreement check's 16-byte MAX on the fast path's call: it runs every `check_every` collectives."""
+        try:
+            request = self._call_allreduce(self._handle, vote.data_ptr(), 16, *self._fast_allreduce[_VOTE][:2], _WAIT)
+            if request is not None:
+                Work(self, "allreduce", seq, request.Test, keep=vote).wait()
+        except MPI.Exception as exc:
+            raise self._engine_error("allreduce", seq, exc) from exc
 
     def _engine_error(self, op: str, seq: int, exc: Exception) -> Exception:
         """MPI's own error while an operation completes, said in terms of what the caller can fix."""
@@ -426,18 +435,6 @@ class MpiCommunicator(Communicator):
             "agreement check would have named them at its next check); a rank that died is the other. Run with "
             "HPDL_DEBUG=1 to compare every rank's call before it runs."
         )
-
-    def _await(self, request: Any, op: str, seq: int, keep: Any, status: Any = None) -> None:
-        """Spin on the engine a while (a transfer, not a straggler), then the bounded wait of a `Work`."""
-        test = request.Test if status is None else (lambda: request.Test(status))
-        for _ in range(_SPINS):
-            if test():
-                return
-        for _ in range(_YIELDS):  # the peer may be waiting for this core: let it run, as MPICH's own waits do
-            _yield()
-            if test():
-                return
-        Work(self, op, seq, test, keep=keep).wait()
 
     # Shared memory inside the node (see shm.py): started at the first large collective,
     # which every rank reaches with the same size, so the collective set-up is reached together.
@@ -684,20 +681,23 @@ _Tensor = torch.Tensor
 _IN_PLACE = MPI.IN_PLACE
 _BYTE = MPI.BYTE
 _SEQUENCES = (list, tuple)
-_SPINS = 64
-"""Tests at full speed before a fast-path call starts yielding the core between tests."""
-_YIELDS = 4096
-"""Yielding tests before it falls back to the bounded wait of a `Work` (a few milliseconds)."""
-_yield = getattr(os, "sched_yield", lambda: None)
+_WAIT = 2e-3
+"""Seconds a blocking fast-path call tests its operation (at full speed, then yielding the core) before it falls
+back to the bounded wait of a `Work`."""
+_NO_WAIT = -1.0
+_INT_COUNT = 2**31
+_VOTE = (torch.int64, "max")
 _ALLREDUCE, _ALLGATHER, _REDUCE_SCATTER, _BROADCAST = (
     OP_CODES[name] for name in ("allreduce", "allgather", "reduce_scatter", "broadcast")
 )
 
 
 class FastTables:
-    """What the fast paths look up per call: MPI datatype, MPI op and agreement code per (dtype, op)."""
+    """What the fast paths look up per call: MPI datatype, MPI op (in the form `calls` takes) and agreement code
+    per (dtype, op)."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: mpi_calls.Calls) -> None:
+        handle = self._handle = calls.handle
         self.allreduce: dict[tuple[torch.dtype, str], tuple[Any, Any, int]] = {}
         self.reduce_scatter: dict[tuple[torch.dtype, str], tuple[Any, Any, int]] = {}
         self.move: dict[torch.dtype, tuple[Any, int]] = {}
@@ -710,15 +710,17 @@ class FastTables:
                 ):
                     continue  # the general path raises the error that says why
                 detail = f"op={op}"
-                self.allreduce[dtype, op] = (mpi_type, mpi_op, agreement.code("allreduce", name, detail))
-                self.reduce_scatter[dtype, op] = (mpi_type, mpi_op, agreement.code("reduce_scatter", name, detail))
+                types = (handle(mpi_type), handle(mpi_op))
+                self.allreduce[dtype, op] = (*types, agreement.code("allreduce", name, detail))
+                self.reduce_scatter[dtype, op] = (*types, agreement.code("reduce_scatter", name, detail))
         for dtype, mpi_type in _MOVE_TYPES.items():
-            self.move[dtype] = (mpi_type, agreement.code("allgather", agreement.dtype_name(dtype), ""))
+            self.move[dtype] = (handle(mpi_type), agreement.code("allgather", agreement.dtype_name(dtype), ""))
 
     def add_broadcast(self, dtype: torch.dtype, root: int) -> Optional[tuple[Any, int]]:
         if dtype not in _MOVE_TYPES:
             return None
-        spec = (_MOVE_TYPES[dtype], agreement.code("broadcast", agreement.dtype_name(dtype), f"root={root}"))
+        code = agreement.code("broadcast", agreement.dtype_name(dtype), f"root={root}")
+        spec = (self._handle(_MOVE_TYPES[dtype]), code)
         self.broadcast[dtype, root] = spec
         return spec
 

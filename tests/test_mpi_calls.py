@@ -1,0 +1,174 @@
+"""The MPI calls under the fast paths (hpdl.comm.mpi_calls): compiled and through mpi4py, the same results.
+
+`make install` compiles `_mpi_fast.c` with the `mpicc` that pip's mpich puts
+beside the venv's Python; the communicator uses it when its handles match
+the running MPI. Each body runs every call through both implementations on
+the same inputs (several dtypes and sizes, 0 elements, a wait that hands back
+a `Request`) and compares them with each other and with the answer computed
+by hand; the whole suite's collectives run on the compiled calls, and here a
+pool with HPDL_COMPILED=0 runs the communicator on mpi4py's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+DTYPES = (torch.float32, torch.float64, torch.int64)
+SIZES = (0, 1, 7, 1000)
+
+
+def which_calls(comm):
+    return comm.calls
+
+
+def _implementations():
+    from hpdl.comm import mpi_calls
+
+    compiled, why = mpi_calls.compiled_calls()
+    assert compiled is not None, why
+    return {"compiled": compiled, "mpi4py": mpi_calls.Calls()}
+
+
+def _types(calls, dtype):
+    from mpi4py import MPI
+
+    mpi_type = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T}[dtype]
+    return calls.handle(mpi_type), calls.handle(MPI.SUM), calls.handle(MPI.MAX)
+
+
+def _done(request):
+    """Complete what a call handed back: None (already complete) or a Request."""
+    if request is not None and not isinstance(request, int):
+        request.Wait()
+
+
+def every_call(comm, wait):
+    """Each call through each implementation; returns {(name, call, dtype, n): values} for the test to compare."""
+    mpi_comm, rank, size = comm.mpi_comm, comm.rank, comm.size
+    out = {}
+    for name, calls in _implementations().items():
+        handle = calls.handle(mpi_comm)
+        for dtype in DTYPES:
+            mpi_type, total, largest = _types(calls, dtype)
+            item = torch.empty(0, dtype=dtype).element_size()
+            for n in SIZES:
+                key = (name, dtype, n)
+                mine = (torch.arange(n, dtype=torch.float64) * (rank + 1) + rank).to(dtype)
+
+                t = mine.clone()
+                _done(calls.allreduce(handle, t.data_ptr(), n * item, mpi_type, total, wait))
+                out[(*key, "allreduce sum")] = t
+                t = mine.clone()
+                _done(calls.allreduce(handle, t.data_ptr(), n * item, mpi_type, largest, wait))
+                out[(*key, "allreduce max")] = t
+
+                gathered = torch.zeros(n * size, dtype=dtype)
+                _done(calls.allgather(handle, mine.data_ptr(), gathered.data_ptr(), n * item, mpi_type, wait))
+                out[(*key, "allgather")] = gathered
+                gathered = torch.zeros(n * size, dtype=dtype)
+                gathered[rank * n : (rank + 1) * n] = mine  # in place: this rank's block already there
+                _done(calls.allgather(handle, 0, gathered.data_ptr(), n * item, mpi_type, wait))
+                out[(*key, "allgather in place")] = gathered
+
+                whole = torch.cat([mine + j for j in range(size)])
+                block = torch.zeros(n, dtype=dtype)
+                _done(calls.reduce_scatter(handle, whole.data_ptr(), block.data_ptr(), n * item, mpi_type, total, wait))
+                out[(*key, "reduce_scatter")] = block
+
+                t = mine.clone()
+                _done(calls.broadcast(handle, t.data_ptr(), n * item, mpi_type, size - 1, wait))
+                out[(*key, "broadcast")] = t
+
+                if rank < 2:  # a ring between ranks 0 and 1
+                    peer = 1 - rank
+                    got = torch.full((n,), -1, dtype=dtype)
+                    if rank == 0:
+                        _done(calls.send(handle, mine.data_ptr(), n * item, mpi_type, peer, 5, wait))
+                        received = calls.recv(handle, got.data_ptr(), n * item, mpi_type, peer, 6, wait)
+                    else:
+                        received = calls.recv(handle, got.data_ptr(), n * item, mpi_type, peer, 5, wait)
+                        _done(calls.send(handle, mine.data_ptr(), n * item, mpi_type, peer, 6, wait))
+                    if not isinstance(received, int):  # not complete within `wait`: a Request to finish
+                        from mpi4py import MPI
+
+                        status = MPI.Status()
+                        received.Wait(status)
+                        received = status.Get_count(MPI.BYTE)
+                    out[(*key, "sendrecv")] = (got, received)
+    return out
+
+
+def _expected(call, dtype, n, rank, size):
+    def contribution(r):
+        return (torch.arange(n, dtype=torch.float64) * (r + 1) + r).to(dtype)
+
+    everyone = [contribution(r) for r in range(size)]
+    if call == "allreduce sum":
+        return sum(everyone, torch.zeros(n, dtype=dtype))
+    if call == "allreduce max":
+        return torch.stack(everyone).amax(0) if n else torch.zeros(0, dtype=dtype)
+    if call.startswith("allgather"):
+        return torch.cat(everyone)
+    if call == "reduce_scatter":
+        return sum((c + rank for c in everyone), torch.zeros(n, dtype=dtype))
+    if call == "broadcast":
+        return everyone[size - 1]
+    assert call == "sendrecv"
+    return everyone[1 - rank], n * torch.empty(0, dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("wait", [2e-3, 0.0, -1.0], ids=["wait", "test-once", "request"])
+def test_compiled_and_mpi4py_calls_give_the_same_results(ranks, nprocs, wait):
+    results = ranks("mpi", nprocs).run(every_call, wait)
+    for rank, got in enumerate(results):
+        calls = {key[1:] for key in got}
+        assert len(calls) == len(DTYPES) * len(SIZES) * (7 if rank < 2 else 6)
+        for dtype, n, call in calls:
+            expected = _expected(call, dtype, n, rank, nprocs)
+            for name in ("compiled", "mpi4py"):
+                value = got[(name, dtype, n, call)]
+                if call == "sendrecv":
+                    assert value[1] == expected[1], (name, dtype, n)
+                    value, expected_values = value[0], expected[0]
+                else:
+                    expected_values = expected
+                assert torch.equal(value, expected_values), (name, call, dtype, n, rank)
+
+
+def test_the_install_built_the_compiled_calls(ranks):
+    """`make install` has mpich's mpicc beside the venv's Python: a build that silently fell back would pass every
+    other test, slower."""
+    assert (Path(sys.executable).parent / "mpicc").exists(), "the dev environment installs mpich (requirements-dev)"
+    assert ranks("mpi", 2).run(which_calls) == ["compiled (hpdl.comm._mpi_fast)"] * 2
+
+
+def collectives_on_the_communicator(comm):
+    rank, size = comm.rank, comm.size
+    x = torch.arange(6, dtype=torch.float64) + rank
+    summed = comm.allreduce(x.clone())
+    gathered = comm.allgather(x, sizes=[6] * size, out=torch.empty(6 * size, dtype=torch.float64))
+    block = comm.reduce_scatter(torch.arange(2.0 * size) + rank)
+    root = comm.broadcast(x.clone(), root=size - 1)
+    if rank == 0:
+        comm.send(x, 1)
+        got = None
+    else:
+        got = comm.recv(torch.empty(6, dtype=torch.float64), 0) if rank == 1 else None
+    return comm.calls, summed, gathered, block, root, got
+
+
+def test_the_communicator_runs_on_mpi4py_calls_when_told(ranks):
+    results = ranks("mpi", 2, env={"HPDL_COMPILED": "0"}).run(collectives_on_the_communicator)
+    x = [torch.arange(6, dtype=torch.float64) + r for r in range(2)]
+    for rank, (calls, summed, gathered, block, root, got) in enumerate(results):
+        assert calls == "mpi4py (HPDL_COMPILED=0)"
+        assert torch.equal(summed, x[0] + x[1])
+        assert torch.equal(gathered, torch.cat(x))
+        assert torch.equal(block, (torch.arange(4.0) * 2 + 1)[2 * rank : 2 * rank + 2])
+        assert torch.equal(root, x[1])
+        assert got is None if rank == 0 else torch.equal(got, x[0])
