@@ -18,7 +18,7 @@ PURELIB = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purel
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py src/hpdl/comm/_mpi_fast.c requirements-dev.txt
+$(STAMP): pyproject.toml setup.py $(wildcard src/hpdl/comm/*.c) requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements-dev.txt

