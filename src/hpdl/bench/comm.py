@@ -667,6 +667,7 @@ def configuration(b: Bench) -> dict[str, Any]:
         tensors=SEPARATE_TENSORS,
         size_meaning=SIZE_MEANING,
         hpdl_mpi_engine=b.mpi.engine,
+        hpdl_mpi_calls=b.mpi.calls,
         hpdl_torch_engine=b.gloo.engine,
         fusion_tensors=FUSION_TENSORS,
         fusion_tensor_bytes=FUSION_BYTES,

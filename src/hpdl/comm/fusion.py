@@ -15,11 +15,12 @@ compiled `_copies.c`, one loop of memcpy over a table of addresses instead
 
 from __future__ import annotations
 
+import importlib
 import operator
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -28,7 +29,7 @@ from hpdl.comm.env import env_flag, env_number
 try:
     if not env_flag("HPDL_COMPILED", True):
         raise ImportError("HPDL_COMPILED=0")
-    from hpdl.comm import _copies  # type: ignore[attr-defined]
+    _copies: Any = importlib.import_module("hpdl.comm._copies")  # (a C module: no import edge to hpdl.comm)
 except ImportError:  # not built (no C compiler at install): torch's cat and foreach copy
     _copies = None
 

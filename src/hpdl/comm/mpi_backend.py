@@ -381,7 +381,7 @@ class MpiCommunicator(Communicator):
             spec = self._fast_move.get(tensor.dtype)
             if (
                 spec is not None and 0 <= dst < self.size and dst != self.rank
-                and tensor.is_cpu and tensor.is_contiguous()
+                and tensor.is_cpu and tensor.is_contiguous() and tensor.nbytes < _INT_COUNT
             ):  # fmt: skip
                 try:
                     request = self._call_send(self._handle, tensor.data_ptr(), tensor.nbytes, spec[0], dst, tag, _WAIT)
@@ -397,7 +397,7 @@ class MpiCommunicator(Communicator):
             spec = self._fast_move.get(tensor.dtype)
             if (
                 spec is not None and 0 <= src < self.size and src != self.rank
-                and tensor.is_cpu and tensor.is_contiguous()
+                and tensor.is_cpu and tensor.is_contiguous() and tensor.nbytes < _INT_COUNT
             ):  # fmt: skip
                 nbytes = tensor.nbytes
                 try:
@@ -686,6 +686,8 @@ _WAIT = 2e-3
 back to the bounded wait of a `Work`."""
 _NO_WAIT = -1.0
 _INT_COUNT = 2**31
+"""Bytes from which a message goes to the general path: the compiled calls pass an int count (mpi4py switches
+to MPI-4's large-count calls)."""
 _VOTE = (torch.int64, "max")
 _ALLREDUCE, _ALLGATHER, _REDUCE_SCATTER, _BROADCAST = (
     OP_CODES[name] for name in ("allreduce", "allgather", "reduce_scatter", "broadcast")
