@@ -25,7 +25,8 @@ SIZES = (0, 1, 7, 1000)
 
 
 def which_calls(comm):
-    return comm.calls
+    paths = [getattr(comm, name).__qualname__ for name in ("allreduce", "allgather", "reduce_scatter", "broadcast")]
+    return comm.calls, paths
 
 
 def _implementations():
@@ -147,7 +148,48 @@ def test_the_install_built_the_compiled_calls(ranks):
     """`make install` has mpich's mpicc beside the venv's Python: a build that silently fell back would pass every
     other test, slower."""
     assert (Path(sys.executable).parent / "mpicc").exists(), "the dev environment installs mpich (requirements-dev)"
-    assert ranks("mpi", 2).run(which_calls) == ["compiled (hpdl.comm._mpi_fast)"] * 2
+    for calls, paths in ranks("mpi", 2).run(which_calls):
+        assert calls == "compiled (hpdl.comm._mpi_fast)"
+        assert paths == ["Fast.allreduce", "Fast.allgather", "Fast.reduce_scatter", "Fast.broadcast"]
+
+
+def bookkeeping(comm):
+    """Blocking calls of every kind the compiled paths take (and some they pass to Python): what each rank records."""
+    comm.check_every = 64  # a fresh ring, and no check among these calls
+    size, start = comm.size, comm._seq
+    x = torch.arange(5.0)
+    results = [
+        comm.allreduce(x.clone()),
+        comm.allreduce(x.clone(), "max"),
+        comm.allreduce(torch.arange(3) * (comm.rank + 1), op="min"),
+        comm.allreduce(x.clone(), op="avg"),  # Python: it divides afterwards
+        comm.broadcast(x + comm.rank, root=size - 1),
+        comm.broadcast(torch.ones(2, dtype=torch.float16) * comm.rank, 0),
+        comm.allgather(x + comm.rank, sizes=[5] * size, out=torch.zeros(5 * size)),
+        comm.allgather(torch.ones(0, 3), sizes=[0] * size, out=torch.zeros(0, 3)),
+        comm.reduce_scatter(torch.ones(2 * size, 3) * comm.rank, "sum", out=torch.zeros(2, 3)),
+        comm.reduce_scatter(torch.ones(2 * size), "prod"),  # Python: no `out`
+    ]
+    block = torch.arange(4.0) + comm.rank
+    whole = torch.zeros(4 * size)
+    whole[4 * comm.rank : 4 * comm.rank + 4] = block
+    results.append(comm.allgather(whole[4 * comm.rank : 4 * comm.rank + 4], sizes=[4] * size, out=whole))  # in place
+    entries = [comm._ring[(start + n) % 64] for n in range(1, 12)]  # slot: sequence number modulo 64
+    recorded = (comm._seq - start, entries, int(comm._progress._mine[0]) - start, comm.calls)
+    comm.check_every = 16
+    return results, recorded
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_compiled_paths_record_and_return_what_python_does(ranks, nprocs):
+    compiled = ranks("mpi", nprocs).run(bookkeeping)
+    python = ranks("mpi", nprocs, env={"HPDL_COMPILED": "0"}).run(bookkeeping)
+    for (values, recorded), (expected_values, expected) in zip(compiled, python):
+        assert recorded[3].startswith("compiled") and expected[3].startswith("mpi4py")
+        assert recorded[:3] == expected[:3]
+        assert recorded[0] == 11 and recorded[2] == 11 and all(recorded[1])
+        for value, expected_value in zip(values, expected_values):
+            assert value.dtype == expected_value.dtype and torch.equal(value, expected_value)
 
 
 def collectives_on_the_communicator(comm):

@@ -210,6 +210,547 @@ static PyObject *initialized(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(flag);
 }
 
+/* ------------------------------------------------------------------ the blocking fast paths
+
+   `Fast` holds one communicator's blocking fast paths for allreduce, allgather, reduce_scatter and broadcast:
+   the same checks, numbering, progress post and agreement entry as MpiCommunicator's Python fast paths (which
+   stay the reference, and which take every call this code does not: async_op, debug, tracing, other dtypes or
+   devices, out=None, sizes above the thresholds), without a Python frame. A call it does not take goes, with
+   its arguments unchanged, to the Python method. The communicator's changing state (_plain, _seq, _every,
+   _ring, the per-operation size limits) is read from its __dict__ on every call, so nothing is cached that
+   Python could change. */
+
+#define MAX_DTYPES 24
+#define MAX_OPS 4
+#define MAX_ROOTS 64
+
+enum { ALLREDUCE, ALLGATHER, REDUCE_SCATTER, BROADCAST, KINDS };
+
+typedef struct {
+    PyObject_HEAD PyObject *dict; /* the communicator's __dict__ */
+    PyObject *python[KINDS];      /* the Python fast paths, bound */
+    PyObject *slow;               /* comm._fast_slow(op, seq, keep, request, code): the bounded wait, or the error */
+    PyObject *check;              /* agreement.check bound to the communicator: check(seq) */
+    PyObject *tensor_type;
+    PyObject *shift80;            /* 1 << 80, the agreement entry's count field for one */
+    MPI_Comm comm;
+    int rank, size;
+    int64_t *board; /* this rank's progress words: sequence number, operation code */
+    int64_t progress_code[KINDS];
+    int ndtypes;
+    PyObject *dtypes[MAX_DTYPES];
+    MPI_Datatype types[MAX_DTYPES];
+    int itemsize[MAX_DTYPES];
+    long long move_code[MAX_DTYPES];
+    long long reduce_code[MAX_DTYPES][MAX_OPS];  /* allreduce; 0: not on this path */
+    long long scatter_code[MAX_DTYPES][MAX_OPS]; /* reduce_scatter */
+    long long root_code[MAX_DTYPES][MAX_ROOTS];  /* broadcast */
+    PyObject *op_names[MAX_OPS];
+    MPI_Op ops[MAX_OPS];
+} Fast;
+
+static PyObject *s_plain, *s_seq, *s_every, *s_ring, *s_below[KINDS], *s_dtype, *s_is_cpu, *s_nbytes, *s_shape,
+    *s_data_ptr, *s_is_contiguous, *s_op, *s_async_op, *s_out, *s_sizes, *s_kind_names[KINDS];
+
+static int fast_traverse(Fast *self, visitproc visit, void *arg) {
+    Py_VISIT(self->dict);
+    for (int i = 0; i < KINDS; i++) Py_VISIT(self->python[i]);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->check);
+    return 0;
+}
+
+static int fast_clear(Fast *self) {
+    Py_CLEAR(self->dict);
+    for (int i = 0; i < KINDS; i++) Py_CLEAR(self->python[i]);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->check);
+    return 0;
+}
+
+static void fast_dealloc(Fast *self) {
+    PyObject_GC_UnTrack(self);
+    fast_clear(self);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->shift80);
+    for (int i = 0; i < self->ndtypes; i++) Py_CLEAR(self->dtypes[i]);
+    for (int i = 0; i < MAX_OPS; i++) Py_CLEAR(self->op_names[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Fast(comm, handle, rank, size, board_address, tensor_type, progress_codes, python_methods, slow, check) */
+static int fast_init(Fast *self, PyObject *args, PyObject *kwds) {
+    PyObject *comm, *handle_obj, *board, *tensor_type, *codes, *methods, *slow, *check;
+    int rank, size;
+    if (!PyArg_ParseTuple(args, "OOiiOOO!O!OO", &comm, &handle_obj, &rank, &size, &board, &tensor_type, &PyTuple_Type,
+                          &codes, &PyTuple_Type, &methods, &slow, &check))
+        return -1;
+    if (PyTuple_GET_SIZE(codes) != KINDS || PyTuple_GET_SIZE(methods) != KINDS) {
+        PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast.Fast: one code and one method per operation");
+        return -1;
+    }
+    self->dict = PyObject_GenericGetDict(comm, NULL);
+    if (self->dict == NULL) return -1;
+    self->comm = (MPI_Comm)handle(handle_obj);
+    self->rank = rank;
+    self->size = size;
+    self->board = (int64_t *)PyLong_AsVoidPtr(board);
+    for (int i = 0; i < KINDS; i++) {
+        self->progress_code[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(codes, i));
+        Py_INCREF(PyTuple_GET_ITEM(methods, i));
+        self->python[i] = PyTuple_GET_ITEM(methods, i);
+    }
+    Py_INCREF(tensor_type);
+    self->tensor_type = tensor_type;
+    Py_INCREF(slow);
+    self->slow = slow;
+    Py_INCREF(check);
+    self->check = check;
+    self->shift80 = PyNumber_Lshift(PyLong_FromLong(1), PyLong_FromLong(80)); /* (two small ints: immortal enough) */
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* add_op(name, op_handle) -> index */
+static PyObject *fast_add_op(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(2);
+    for (int i = 0; i < MAX_OPS; i++)
+        if (self->op_names[i] == NULL) {
+            Py_INCREF(args[0]);
+            self->op_names[i] = args[0];
+            self->ops[i] = (MPI_Op)handle(args[1]);
+            return PyLong_FromLong(i);
+        }
+    PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast.Fast: too many ops");
+    return NULL;
+}
+
+/* add_dtype(dtype, type_handle, itemsize, move_code, reduce_codes, scatter_codes, root_codes): codes by op index
+   and by root (0: not on this path) */
+static PyObject *fast_add_dtype(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(7);
+    if (self->ndtypes == MAX_DTYPES) {
+        PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast.Fast: too many dtypes");
+        return NULL;
+    }
+    int d = self->ndtypes;
+    Py_INCREF(args[0]);
+    self->dtypes[d] = args[0];
+    self->types[d] = (MPI_Datatype)handle(args[1]);
+    self->itemsize[d] = (int)PyLong_AsLong(args[2]);
+    self->move_code[d] = PyLong_AsLongLong(args[3]);
+    for (int k = 0; k < 3; k++) {
+        PyObject *codes = args[4 + k];
+        Py_ssize_t n = PySequence_Size(codes), limit = k == 2 ? MAX_ROOTS : MAX_OPS;
+        if (n < 0) return NULL;
+        for (Py_ssize_t i = 0; i < n && i < limit; i++) {
+            PyObject *item = PySequence_GetItem(codes, i);
+            long long code = item == NULL ? 0 : PyLong_AsLongLong(item);
+            Py_XDECREF(item);
+            if (k == 0) self->reduce_code[d][i] = code;
+            else if (k == 1) self->scatter_code[d][i] = code;
+            else self->root_code[d][i] = code;
+        }
+    }
+    if (PyErr_Occurred()) return NULL;
+    self->ndtypes++;
+    Py_RETURN_NONE;
+}
+
+/* The index of `dtype`, or -1. */
+static int dtype_index(Fast *self, PyObject *dtype) {
+    for (int i = 0; i < self->ndtypes; i++)
+        if (self->dtypes[i] == dtype) return i;
+    return -1;
+}
+
+/* The index of op name `name`, or -1. */
+static int op_index(Fast *self, PyObject *name) {
+    for (int i = 0; i < MAX_OPS && self->op_names[i] != NULL; i++)
+        if (self->op_names[i] == name) return i;
+    if (!PyUnicode_Check(name)) return -1;
+    for (int i = 0; i < MAX_OPS && self->op_names[i] != NULL; i++)
+        if (PyUnicode_Compare(self->op_names[i], name) == 0) return i;
+    PyErr_Clear();
+    return -1;
+}
+
+/* 1 when `obj` is an exact torch.Tensor on the CPU, contiguous; 0 when not; -1 on error. */
+static int plain_cpu_tensor(Fast *self, PyObject *obj) {
+    if (Py_TYPE(obj) != (PyTypeObject *)self->tensor_type) return 0;
+    PyObject *cpu = PyObject_GetAttr(obj, s_is_cpu);
+    if (cpu == NULL) return -1;
+    Py_DECREF(cpu);
+    if (cpu != Py_True) return 0;
+    PyObject *contiguous = PyObject_CallMethodNoArgs(obj, s_is_contiguous);
+    if (contiguous == NULL) return -1;
+    Py_DECREF(contiguous);
+    return contiguous == Py_True;
+}
+
+static long long long_attr(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    long long result = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return result;
+}
+
+static long long call_long(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_CallMethodNoArgs(obj, name);
+    if (value == NULL) return -1;
+    long long result = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return result;
+}
+
+/* Whether the communicator takes fast calls now (_plain) and `nbytes` is below this operation's limit. */
+static int open_for(Fast *self, int kind, double nbytes) {
+    PyObject *plain = PyDict_GetItem(self->dict, s_plain);
+    if (plain != Py_True) return 0;
+    PyObject *below = PyDict_GetItem(self->dict, s_below[kind]);
+    return below != NULL && nbytes < PyFloat_AsDouble(below);
+}
+
+/* Number the call, post progress, record its agreement entry (code | bytes << 32 | (extra + 1) << 80) and run
+   the check when it is due: the sequence number, or -1 with an exception set. */
+static long long begin(Fast *self, int kind, long long code, long long nbytes, long long extra) {
+    PyObject *seq_obj = PyDict_GetItem(self->dict, s_seq);
+    long long seq = seq_obj == NULL ? -1 : PyLong_AsLongLong(seq_obj);
+    if (seq < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast: no sequence number");
+        return -1;
+    }
+    seq += 1;
+    PyObject *next = PyLong_FromLongLong(seq);
+    if (next == NULL || PyDict_SetItem(self->dict, s_seq, next) < 0) {
+        Py_XDECREF(next);
+        return -1;
+    }
+    Py_DECREF(next);
+    self->board[0] = seq;
+    self->board[1] = self->progress_code[kind];
+    PyObject *every_obj = PyDict_GetItem(self->dict, s_every);
+    long long every = every_obj == NULL ? 0 : PyLong_AsLongLong(every_obj);
+    if (every > 0) {
+        PyObject *ring = PyDict_GetItem(self->dict, s_ring);
+        PyObject *low = PyLong_FromUnsignedLongLong((unsigned long long)code | (unsigned long long)nbytes << 32);
+        PyObject *count = extra == 0 ? (Py_INCREF(self->shift80), self->shift80) : NULL;
+        if (count == NULL && low != NULL) {
+            PyObject *e = PyLong_FromLongLong(extra + 1), *shift = PyLong_FromLong(80);
+            count = (e && shift) ? PyNumber_Lshift(e, shift) : NULL;
+            Py_XDECREF(e);
+            Py_XDECREF(shift);
+        }
+        PyObject *entry = (low && count) ? PyNumber_Or(low, count) : NULL;
+        Py_XDECREF(low);
+        Py_XDECREF(count);
+        if (entry == NULL || ring == NULL || !PyList_Check(ring) || PyList_GET_SIZE(ring) < every) {
+            Py_XDECREF(entry);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast: no agreement ring");
+            return -1;
+        }
+        PyList_SetItem(ring, (Py_ssize_t)(seq % every), entry); /* steals entry */
+        if (seq % every == 0) {
+            PyObject *done = PyObject_CallFunction(self->check, "L", seq);
+            if (done == NULL) return -1;
+            Py_DECREF(done);
+        }
+    }
+    return seq;
+}
+
+/* After the MPI call started with `rc`: wait up to WAIT seconds; then the result (a new reference to `result`),
+   or the bounded wait / error through comm._fast_slow. */
+#define WAIT_SECONDS 2e-3
+static PyObject *complete(Fast *self, int kind, long long seq, int rc, MPI_Request request, PyObject *keep,
+                          PyObject *result) {
+    int flag = 0;
+    if (rc == MPI_SUCCESS) {
+        rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+        if (rc == MPI_SUCCESS && !flag) {
+            Py_BEGIN_ALLOW_THREADS double start = now(), spent = 0;
+            while (rc == MPI_SUCCESS && !flag && spent < WAIT_SECONDS) {
+                if (spent > SPIN_SECONDS) sched_yield();
+                rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+                spent = now() - start;
+            }
+            Py_END_ALLOW_THREADS
+        }
+    }
+    if (rc == MPI_SUCCESS && flag) {
+        Py_INCREF(result);
+        return result;
+    }
+    PyObject *request_obj = Py_None;
+    if (rc == MPI_SUCCESS) {
+        request_obj = PyObject_CallFunction(request_fromhandle, "N", PyLong_FromSize_t(HANDLE_VALUE(request)));
+        if (request_obj == NULL) return NULL;
+    } else
+        Py_INCREF(request_obj);
+    PyObject *done = PyObject_CallFunction(self->slow, "OLONi", s_kind_names[kind], seq, keep, request_obj, rc);
+    if (done == NULL) return NULL;
+    Py_DECREF(done);
+    Py_INCREF(result);
+    return result;
+}
+
+/* The Python fast path with the caller's arguments unchanged. */
+static PyObject *python(Fast *self, int kind, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return PyObject_Vectorcall(self->python[kind], args, nargs, kwnames);
+}
+
+/* Keyword arguments by name; 0 when a name is not one of `names` (the Python method then says what is wrong). */
+static int keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **names, PyObject **values,
+                    int count) {
+    if (kwnames == NULL) return 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        int found = 0;
+        for (int k = 0; k < count; k++)
+            if (name == names[k] || PyUnicode_Compare(name, names[k]) == 0) {
+                values[k] = args[nargs + i];
+                found = 1;
+            }
+        if (!found) return 0;
+    }
+    return 1;
+}
+
+/* allreduce(tensor, op="sum", *, async_op=False) */
+static PyObject *fast_allreduce(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *names[2] = {s_op, s_async_op}, *values[2] = {NULL, NULL};
+    if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 2) || (nargs == 2 && values[0]))
+        return python(self, ALLREDUCE, args, nargs, kwnames);
+    PyObject *tensor = args[0], *op = nargs == 2 ? args[1] : values[0];
+    if ((values[1] != NULL && values[1] != Py_False) || PyDict_GetItem(self->dict, s_plain) != Py_True)
+        return python(self, ALLREDUCE, args, nargs, kwnames);
+    int plain = plain_cpu_tensor(self, tensor);
+    if (plain <= 0) return plain < 0 ? NULL : python(self, ALLREDUCE, args, nargs, kwnames);
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
+    if (dtype == NULL) return NULL;
+    int d = dtype_index(self, dtype), o = op == NULL ? 0 : op_index(self, op);
+    Py_DECREF(dtype);
+    if (d < 0 || o < 0 || self->reduce_code[d][o] == 0) return python(self, ALLREDUCE, args, nargs, kwnames);
+    long long nbytes = long_attr(tensor, s_nbytes);
+    if (nbytes < 0) return NULL;
+    if (!open_for(self, ALLREDUCE, (double)nbytes)) return python(self, ALLREDUCE, args, nargs, kwnames);
+    long long seq = begin(self, ALLREDUCE, self->reduce_code[d][o], nbytes, 0);
+    if (seq < 0) return NULL;
+    long long address = call_long(tensor, s_data_ptr);
+    if (address == -1 && PyErr_Occurred()) return NULL;
+    MPI_Request request;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, (void *)(intptr_t)address, (int)(nbytes / self->itemsize[d]),
+                            self->types[d], self->ops[o], self->comm, &request);
+    return complete(self, ALLREDUCE, seq, rc, request, tensor, tensor);
+}
+
+/* broadcast(tensor, root=0, *, async_op=False) */
+static PyObject *fast_broadcast(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    static PyObject *root_name;
+    if (root_name == NULL) root_name = PyUnicode_InternFromString("root");
+    PyObject *names[2] = {root_name, s_async_op}, *values[2] = {NULL, NULL};
+    if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 2) || (nargs == 2 && values[0]))
+        return python(self, BROADCAST, args, nargs, kwnames);
+    PyObject *tensor = args[0], *root_obj = nargs == 2 ? args[1] : values[0];
+    if ((values[1] != NULL && values[1] != Py_False) || PyDict_GetItem(self->dict, s_plain) != Py_True)
+        return python(self, BROADCAST, args, nargs, kwnames);
+    long root = 0;
+    if (root_obj != NULL) {
+        if (!PyLong_CheckExact(root_obj)) return python(self, BROADCAST, args, nargs, kwnames);
+        root = PyLong_AsLong(root_obj);
+    }
+    if (root < 0 || root >= self->size || root >= MAX_ROOTS) return python(self, BROADCAST, args, nargs, kwnames);
+    int plain = plain_cpu_tensor(self, tensor);
+    if (plain <= 0) return plain < 0 ? NULL : python(self, BROADCAST, args, nargs, kwnames);
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
+    if (dtype == NULL) return NULL;
+    int d = dtype_index(self, dtype);
+    Py_DECREF(dtype);
+    if (d < 0 || self->root_code[d][root] == 0) return python(self, BROADCAST, args, nargs, kwnames);
+    long long nbytes = long_attr(tensor, s_nbytes);
+    if (nbytes < 0) return NULL;
+    if (!open_for(self, BROADCAST, (double)nbytes)) return python(self, BROADCAST, args, nargs, kwnames);
+    long long seq = begin(self, BROADCAST, self->root_code[d][root], nbytes, 0);
+    if (seq < 0) return NULL;
+    long long address = call_long(tensor, s_data_ptr);
+    if (address == -1 && PyErr_Occurred()) return NULL;
+    MPI_Request request;
+    int rc = MPI_Ibcast((void *)(intptr_t)address, (int)(nbytes / self->itemsize[d]), self->types[d], (int)root,
+                        self->comm, &request);
+    return complete(self, BROADCAST, seq, rc, request, tensor, tensor);
+}
+
+/* The dims of a tensor's shape (a torch.Size: a tuple), as a new reference, or NULL with an exception. */
+static PyObject *shape_of(PyObject *tensor) {
+    PyObject *shape = PyObject_GetAttr(tensor, s_shape);
+    if (shape != NULL && !PyTuple_Check(shape)) {
+        Py_DECREF(shape);
+        PyErr_SetString(PyExc_TypeError, "hpdl._mpi_fast: a tensor's shape is not a tuple");
+        return NULL;
+    }
+    return shape;
+}
+
+/* Whether shapes `a` and `b` have the same number of dims and the same dims after the first. */
+static int same_tail(PyObject *a, PyObject *b) {
+    Py_ssize_t n = PyTuple_GET_SIZE(a);
+    if (PyTuple_GET_SIZE(b) != n) return 0;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (PyLong_AsLongLong(PyTuple_GET_ITEM(a, i)) != PyLong_AsLongLong(PyTuple_GET_ITEM(b, i))) return 0;
+    return 1;
+}
+
+/* allgather(tensor, *, sizes=None, out=None, async_op=False): equal sizes, `out` given */
+static PyObject *fast_allgather(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *names[3] = {s_sizes, s_out, s_async_op}, *values[3] = {NULL, NULL, NULL};
+    if (nargs != 1 || !keywords(args, nargs, kwnames, names, values, 3)) return python(self, ALLGATHER, args, nargs, kwnames);
+    PyObject *tensor = args[0], *sizes = values[0], *out = values[1], *result = NULL;
+    if ((values[2] != NULL && values[2] != Py_False) || sizes == NULL || out == NULL ||
+        !(PyList_CheckExact(sizes) || PyTuple_CheckExact(sizes)) || PySequence_Fast_GET_SIZE(sizes) != self->size ||
+        PyDict_GetItem(self->dict, s_plain) != Py_True)
+        return python(self, ALLGATHER, args, nargs, kwnames);
+    int plain = plain_cpu_tensor(self, tensor);
+    if (plain > 0) plain = plain_cpu_tensor(self, out);
+    if (plain <= 0) return plain < 0 ? NULL : python(self, ALLGATHER, args, nargs, kwnames);
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype), *out_dtype = PyObject_GetAttr(out, s_dtype);
+    PyObject *shape = shape_of(tensor), *whole = shape_of(out);
+    int d = dtype == NULL ? -1 : dtype_index(self, dtype);
+    int same_dtype = dtype != NULL && dtype == out_dtype;
+    Py_XDECREF(dtype);
+    Py_XDECREF(out_dtype);
+    if (shape == NULL || whole == NULL) goto done;
+    long long rows = PyTuple_GET_SIZE(shape) ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0)) : -1;
+    int fits = d >= 0 && same_dtype && rows >= 0 && same_tail(shape, whole) &&
+               PyLong_AsLongLong(PyTuple_GET_ITEM(whole, 0)) == rows * self->size;
+    for (Py_ssize_t r = 0; fits && r < self->size; r++) {
+        PyObject *n = PySequence_Fast_GET_ITEM(sizes, r);
+        fits = PyLong_CheckExact(n) && PyLong_AsLongLong(n) == rows;
+    }
+    if (PyErr_Occurred()) goto done;
+    if (!fits) {
+        result = python(self, ALLGATHER, args, nargs, kwnames);
+        goto done;
+    }
+    long long nbytes = long_attr(tensor, s_nbytes);
+    long long mine = call_long(tensor, s_data_ptr), at = call_long(out, s_data_ptr);
+    if (PyErr_Occurred()) goto done;
+    int in_place = nbytes > 0 && mine == at + nbytes * self->rank;
+    if ((mine == at && nbytes > 0 && !in_place) || !open_for(self, ALLGATHER, (double)nbytes * self->size)) {
+        result = python(self, ALLGATHER, args, nargs, kwnames); /* (the first: the general path says what is wrong) */
+        goto done;
+    }
+    long long row = rows ? nbytes / rows : self->itemsize[d];
+    for (Py_ssize_t i = 1; !rows && i < PyTuple_GET_SIZE(shape); i++) row *= PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+    long long seq = begin(self, ALLGATHER, self->move_code[d], row, rows * self->size);
+    if (seq < 0) goto done;
+    MPI_Request request;
+    int count = (int)(nbytes / self->itemsize[d]), rc;
+    if (in_place)
+        rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, (void *)(intptr_t)at, count, self->types[d], self->comm,
+                            &request);
+    else
+        rc = MPI_Iallgather((void *)(intptr_t)mine, count, self->types[d], (void *)(intptr_t)at, count, self->types[d],
+                            self->comm, &request);
+    PyObject *keep = PyTuple_Pack(2, tensor, out);
+    if (keep != NULL) result = complete(self, ALLGATHER, seq, rc, request, keep, out);
+    Py_XDECREF(keep);
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(whole);
+    return result;
+}
+
+/* reduce_scatter(tensor, op="sum", *, out=None, async_op=False): `out` given */
+static PyObject *fast_reduce_scatter(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *names[3] = {s_op, s_out, s_async_op}, *values[3] = {NULL, NULL, NULL};
+    if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 3) || (nargs == 2 && values[0]))
+        return python(self, REDUCE_SCATTER, args, nargs, kwnames);
+    PyObject *tensor = args[0], *op = nargs == 2 ? args[1] : values[0], *out = values[1], *result = NULL;
+    if ((values[2] != NULL && values[2] != Py_False) || out == NULL || PyDict_GetItem(self->dict, s_plain) != Py_True)
+        return python(self, REDUCE_SCATTER, args, nargs, kwnames);
+    int plain = plain_cpu_tensor(self, tensor);
+    if (plain > 0) plain = plain_cpu_tensor(self, out);
+    if (plain <= 0) return plain < 0 ? NULL : python(self, REDUCE_SCATTER, args, nargs, kwnames);
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype), *out_dtype = PyObject_GetAttr(out, s_dtype);
+    PyObject *shape = shape_of(tensor), *block = shape_of(out);
+    int d = dtype == NULL ? -1 : dtype_index(self, dtype), o = op == NULL ? 0 : op_index(self, op);
+    int same_dtype = dtype != NULL && dtype == out_dtype;
+    Py_XDECREF(dtype);
+    Py_XDECREF(out_dtype);
+    if (shape == NULL || block == NULL) goto done;
+    long long rows = PyTuple_GET_SIZE(shape) ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0)) : -1;
+    long long block_rows = PyTuple_GET_SIZE(block) ? PyLong_AsLongLong(PyTuple_GET_ITEM(block, 0)) : -1;
+    int fits = d >= 0 && o >= 0 && self->scatter_code[d][o] != 0 && same_dtype && rows >= 0 &&
+               rows % self->size == 0 && block_rows * self->size == rows && same_tail(shape, block);
+    if (PyErr_Occurred()) goto done;
+    long long nbytes = fits ? long_attr(tensor, s_nbytes) : 0;
+    long long mine = fits ? call_long(tensor, s_data_ptr) : 0, at = fits ? call_long(out, s_data_ptr) : 0;
+    if (PyErr_Occurred()) goto done;
+    if (!fits || (at == mine && block_rows) || !open_for(self, REDUCE_SCATTER, (double)nbytes)) {
+        result = python(self, REDUCE_SCATTER, args, nargs, kwnames);
+        goto done;
+    }
+    long long seq = begin(self, REDUCE_SCATTER, self->scatter_code[d][o], nbytes, 0);
+    if (seq < 0) goto done;
+    MPI_Request request;
+    int rc = MPI_Ireduce_scatter_block((void *)(intptr_t)mine, (void *)(intptr_t)at,
+                                       (int)(nbytes / self->size / self->itemsize[d]), self->types[d], self->ops[o],
+                                       self->comm, &request);
+    PyObject *keep = PyTuple_Pack(2, tensor, out);
+    if (keep != NULL) result = complete(self, REDUCE_SCATTER, seq, rc, request, keep, out);
+    Py_XDECREF(keep);
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(block);
+    return result;
+}
+
+static PyMethodDef fast_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))fast_allreduce, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"allgather", (PyCFunction)(void (*)(void))fast_allgather, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))fast_reduce_scatter, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"broadcast", (PyCFunction)(void (*)(void))fast_broadcast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"add_op", (PyCFunction)(void (*)(void))fast_add_op, METH_FASTCALL, NULL},
+    {"add_dtype", (PyCFunction)(void (*)(void))fast_add_dtype, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hpdl.comm._mpi_fast.Fast",
+    .tp_basicsize = sizeof(Fast),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)fast_init,
+    .tp_dealloc = (destructor)fast_dealloc,
+    .tp_traverse = (traverseproc)fast_traverse,
+    .tp_clear = (inquiry)fast_clear,
+    .tp_methods = fast_methods,
+};
+
+static int intern_names(void) {
+    const char *below[KINDS] = {"_fast_allreduce_below", "_fast_allgather_below", "_fast_reduce_scatter_below",
+                                "_fast_broadcast_below"};
+    const char *kinds[KINDS] = {"allreduce", "allgather", "reduce_scatter", "broadcast"};
+    for (int i = 0; i < KINDS; i++) {
+        if ((s_below[i] = PyUnicode_InternFromString(below[i])) == NULL) return -1;
+        if ((s_kind_names[i] = PyUnicode_InternFromString(kinds[i])) == NULL) return -1;
+    }
+    return ((s_plain = PyUnicode_InternFromString("_plain")) && (s_seq = PyUnicode_InternFromString("_seq")) &&
+            (s_every = PyUnicode_InternFromString("_every")) && (s_ring = PyUnicode_InternFromString("_ring")) &&
+            (s_dtype = PyUnicode_InternFromString("dtype")) && (s_is_cpu = PyUnicode_InternFromString("is_cpu")) &&
+            (s_nbytes = PyUnicode_InternFromString("nbytes")) && (s_shape = PyUnicode_InternFromString("shape")) &&
+            (s_data_ptr = PyUnicode_InternFromString("data_ptr")) &&
+            (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) &&
+            (s_op = PyUnicode_InternFromString("op")) && (s_async_op = PyUnicode_InternFromString("async_op")) &&
+            (s_out = PyUnicode_InternFromString("out")) && (s_sizes = PyUnicode_InternFromString("sizes")))
+               ? 0
+               : -1;
+}
+
 static PyMethodDef methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL, NULL},
     {"allgather", (PyCFunction)(void (*)(void))allgather, METH_FASTCALL, NULL},
@@ -225,4 +766,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "hpdl.comm._mpi_fast", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__mpi_fast(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__mpi_fast(void) {
+    if (intern_names() < 0 || PyType_Ready(&FastType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&FastType);
+    if (PyModule_AddObject(m, "Fast", (PyObject *)&FastType) < 0) {
+        Py_DECREF(&FastType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

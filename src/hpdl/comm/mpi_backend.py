@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import os
 import time
+import types
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -134,6 +136,11 @@ class WindowBoard(ProgressBoard):
                 "(a rank failed before hpdl.init, or the launcher started fewer ranks than it announced)"
             )
 
+    @property
+    def address(self) -> int:
+        """Where this rank's two words are (the compiled fast paths store into them)."""
+        return int(self._mine.ctypes.data)
+
     def post(self, seq: int, op: str) -> None:
         self._mine[0] = seq
         self._mine[1] = OP_CODES.get(op, 0)
@@ -202,6 +209,45 @@ class MpiCommunicator(Communicator):
         self._slots = self._progress.slots
         self._status = MPI.Status()
         self.shm_status = "not started (starts with the first collective above its size threshold)"
+        if calls.compiled:
+            self._compile_blocking_paths(calls)
+
+    def _compile_blocking_paths(self, calls: mpi_calls.Calls) -> None:
+        """Route this communicator's allreduce, allgather, reduce_scatter and broadcast through the compiled
+        `Fast` (_mpi_fast.c): the blocking fast paths below without a Python frame, the same checks, numbering,
+        progress post and agreement entry; every call it does not take goes to the Python method unchanged."""
+        names = ("allreduce", "allgather", "reduce_scatter", "broadcast")
+        fast = calls.module.Fast(
+            self, self._handle, self.rank, self.size, self._progress.address, _Tensor,
+            tuple(OP_CODES[name] for name in names), tuple(types.MethodType(getattr(MpiCommunicator, name), self)
+            for name in names), self._fast_slow, functools.partial(agreement.check, self),
+        )  # fmt: skip
+        ops = [op for op in _OPS if op != "avg"]  # avg divides after the call: the Python path; "sum" first
+        for op in ops:
+            fast.add_op(op, calls.handle(_OPS[op]))
+        roots = range(min(self.size, 64))
+        for dtype, mpi_type in _MOVE_TYPES.items():
+            name = agreement.dtype_name(dtype)
+            fast.add_dtype(
+                dtype, calls.handle(mpi_type), torch.empty((), dtype=dtype).element_size(), self._fast_move[dtype][1],
+                [self._fast_allreduce.get((dtype, op), _NOT_FAST)[2] for op in ops],
+                [self._fast_reduce_scatter.get((dtype, op), _NOT_FAST)[2] for op in ops],
+                [agreement.code("broadcast", name, f"root={root}") for root in roots],
+            )  # fmt: skip
+        self.allreduce = fast.allreduce  # type: ignore[method-assign]
+        self.allgather = fast.allgather  # type: ignore[method-assign]
+        self.reduce_scatter = fast.reduce_scatter  # type: ignore[method-assign]
+        self.broadcast = fast.broadcast  # type: ignore[method-assign]
+
+    def _fast_slow(self, op: str, seq: int, keep: Any, request: Any, code: int) -> None:
+        """The compiled paths' way out: the bounded wait of an operation still running after their own short wait,
+        or the error of an MPI call that failed (`request` None, MPI's error `code`)."""
+        try:
+            if request is None:
+                raise MPI.Exception(code)
+            Work(self, op, seq, request.Test, keep=keep).wait()
+        except MPI.Exception as exc:
+            raise self._engine_error(op, seq, exc) from exc
 
     def _open_shm_gates(self, closed: bool = False) -> None:
         """Per operation, the smallest message that may take the shared-memory path (every fast path compares its
@@ -689,6 +735,7 @@ _INT_COUNT = 2**31
 """Bytes from which a message goes to the general path: the compiled calls pass an int count (mpi4py switches
 to MPI-4's large-count calls)."""
 _VOTE = (torch.int64, "max")
+_NOT_FAST = (None, None, 0)
 _ALLREDUCE, _ALLGATHER, _REDUCE_SCATTER, _BROADCAST = (
     OP_CODES[name] for name in ("allreduce", "allgather", "reduce_scatter", "broadcast")
 )

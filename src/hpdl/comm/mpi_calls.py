@@ -72,6 +72,8 @@ class Calls:
     """The calls through mpi4py: the handles are mpi4py's own objects."""
 
     compiled = False
+    module: Any = None
+    """The compiled module (its `Fast` runs whole blocking calls), or None."""
 
     @staticmethod
     def handle(obj: Any) -> Any:
@@ -113,6 +115,7 @@ class _Compiled(Calls):
     compiled = True
 
     def __init__(self, module: ModuleType):
+        self.module = module
         self.allreduce = module.allreduce  # type: ignore[method-assign]
         self.allgather = module.allgather  # type: ignore[method-assign]
         self.reduce_scatter = module.reduce_scatter  # type: ignore[method-assign]
