@@ -215,11 +215,14 @@ class MpiCommunicator(Communicator):
     def _compile_blocking_paths(self, calls: mpi_calls.Calls) -> None:
         """Route this communicator's allreduce, allgather, reduce_scatter and broadcast through the compiled
         `Fast` (_mpi_fast.c): the blocking fast paths below without a Python frame, the same checks, numbering,
-        progress post and agreement entry; every call it does not take goes to the Python method unchanged."""
-        names = ("allreduce", "allgather", "reduce_scatter", "broadcast")
+        progress post and agreement entry; every call it does not take goes to the Python method unchanged.
+
+        A method that is no longer the one this module defined (a subclass's, or wrapped on the class by
+        instrumentation such as the hybrid benchmark's byte counter) is left alone: it keeps every call."""
+        names = _COMPILED_PATHS
         fast = calls.module.Fast(
             self, self._handle, self.rank, self.size, self._progress.address, _Tensor,
-            tuple(OP_CODES[name] for name in names), tuple(types.MethodType(getattr(MpiCommunicator, name), self)
+            tuple(OP_CODES[name] for name in names), tuple(types.MethodType(_DEFINED[name], self)
             for name in names), self._fast_slow, functools.partial(agreement.check, self),
         )  # fmt: skip
         ops = [op for op in _OPS if op != "avg"]  # avg divides after the call: the Python path; "sum" first
@@ -234,10 +237,9 @@ class MpiCommunicator(Communicator):
                 [self._fast_reduce_scatter.get((dtype, op), _NOT_FAST)[2] for op in ops],
                 [agreement.code("broadcast", name, f"root={root}") for root in roots],
             )  # fmt: skip
-        self.allreduce = fast.allreduce  # type: ignore[method-assign]
-        self.allgather = fast.allgather  # type: ignore[method-assign]
-        self.reduce_scatter = fast.reduce_scatter  # type: ignore[method-assign]
-        self.broadcast = fast.broadcast  # type: ignore[method-assign]
+        for name in names:
+            if getattr(type(self), name) is _DEFINED[name]:
+                setattr(self, name, getattr(fast, name))
 
     def _fast_slow(self, op: str, seq: int, keep: Any, request: Any, code: int) -> None:
         """The compiled paths' way out: the bounded wait of an operation still running after their own short wait,
@@ -724,6 +726,9 @@ class MpiCommunicator(Communicator):
 
 
 _Tensor = torch.Tensor
+_COMPILED_PATHS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
+_DEFINED = {name: vars(MpiCommunicator)[name] for name in _COMPILED_PATHS}
+"""The Python fast paths as defined here, to tell them from a later wrapper (see _compile_blocking_paths)."""
 _IN_PLACE = MPI.IN_PLACE
 _BYTE = MPI.BYTE
 _SEQUENCES = (list, tuple)
