@@ -44,8 +44,9 @@ class BuildOptional(build_ext):
                 if mpicc is None:
                     print("hpdl: no mpicc found: the fast paths' MPI calls go through mpi4py", file=sys.stderr)
                     return
-                self.compiler.set_executable("compiler_so", [mpicc, "-O2", "-fPIC", "-Wall"])
-                self.compiler.set_executable("linker_so", [mpicc, "-shared"])
+                # Python's own flags (-fPIC, macOS's -bundle -undefined dynamic_lookup, ...) with the MPI wrapper
+                self.compiler.set_executable("compiler_so", [mpicc, *self.compiler.compiler_so[1:]])
+                self.compiler.set_executable("linker_so", [mpicc, *self.compiler.linker_so[1:]])
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: install without the module
             print(f"hpdl: {ext.name} not built ({exc}): its Python equivalent is used", file=sys.stderr)

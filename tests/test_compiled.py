@@ -234,6 +234,7 @@ def test_fusion_packs_and_unpacks_like_torch_cat(monkeypatch, compiled):
     packer = fusion.Packer()
     for step in range(3):  # the plan is made once, then found again by the tensors' addresses
         before = [t.clone() for t in tensors]
+        versions = [t._version for t in tensors]
         plan = packer.acquire(tensors, 1 << 20)
         assert all((bucket.table is not None) == (compiled and len(bucket.targets) > 1) for bucket in plan.buckets)
         assert len(plan.buckets) == 3
@@ -243,5 +244,16 @@ def test_fusion_packs_and_unpacks_like_torch_cat(monkeypatch, compiled):
         for bucket in plan.buckets:
             bucket.unpack()
         plan.busy = False
-        for old, new in zip(before, tensors):
+        for old, new, version in zip(before, tensors, versions):
             assert torch.equal(new, old * 2 + step)
+            assert new._version > version  # autograd sees the tensors changed, as after torch's own copies
+
+
+def test_fusion_leaves_tensors_autograd_tracks_to_torch():
+    from hpdl.comm import fusion
+
+    leaves = [torch.ones(3, requires_grad=True), torch.ones(4, requires_grad=True)]
+    (bucket,) = fusion.pack(leaves, 1 << 20)
+    assert bucket.table is None
+    with pytest.raises(RuntimeError, match="automatic differentiation"):
+        bucket.fill()  # what torch.cat says; the memcpy loop would have copied silently

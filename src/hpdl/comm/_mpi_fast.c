@@ -45,7 +45,15 @@ static int count_of(PyObject *nbytes_obj, MPI_Datatype datatype) {
     Py_ssize_t nbytes = PyLong_AsSsize_t(nbytes_obj);
     int size = 0;
     if (nbytes == -1 && PyErr_Occurred()) return -1;
-    MPI_Type_size(datatype, &size);
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast: a negative number of bytes");
+        return -1;
+    }
+    int rc = MPI_Type_size(datatype, &size);
+    if (rc != MPI_SUCCESS) {
+        mpi_error(rc);
+        return -1;
+    }
     if (size <= 0 || nbytes / size > INT_MAX) {
         PyErr_SetString(PyExc_OverflowError, "hpdl._mpi_fast: message too large for an int count");
         return -1;
@@ -249,7 +257,7 @@ typedef struct {
     MPI_Op ops[MAX_OPS];
 } Fast;
 
-static PyObject *s_plain, *s_seq, *s_every, *s_ring, *s_below[KINDS], *s_dtype, *s_is_cpu, *s_nbytes, *s_shape,
+static PyObject *s_root, *s_plain, *s_seq, *s_every, *s_ring, *s_below[KINDS], *s_dtype, *s_is_cpu, *s_nbytes, *s_shape,
     *s_data_ptr, *s_is_contiguous, *s_op, *s_async_op, *s_out, *s_sizes, *s_kind_names[KINDS];
 
 static int fast_traverse(Fast *self, visitproc visit, void *arg) {
@@ -289,6 +297,10 @@ static int fast_init(Fast *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast.Fast: one code and one method per operation");
         return -1;
     }
+    if (self->dict != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast.Fast: already initialised");
+        return -1;
+    }
     self->dict = PyObject_GenericGetDict(comm, NULL);
     if (self->dict == NULL) return -1;
     self->comm = (MPI_Comm)handle(handle_obj);
@@ -306,8 +318,11 @@ static int fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->slow = slow;
     Py_INCREF(check);
     self->check = check;
-    self->shift80 = PyNumber_Lshift(PyLong_FromLong(1), PyLong_FromLong(80)); /* (two small ints: immortal enough) */
-    return PyErr_Occurred() ? -1 : 0;
+    PyObject *one = PyLong_FromLong(1), *eighty = PyLong_FromLong(80);
+    self->shift80 = (one && eighty) ? PyNumber_Lshift(one, eighty) : NULL;
+    Py_XDECREF(one);
+    Py_XDECREF(eighty);
+    return PyErr_Occurred() || self->shift80 == NULL ? -1 : 0;
 }
 
 /* add_op(name, op_handle) -> index */
@@ -333,8 +348,6 @@ static PyObject *fast_add_dtype(Fast *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     int d = self->ndtypes;
-    Py_INCREF(args[0]);
-    self->dtypes[d] = args[0];
     self->types[d] = (MPI_Datatype)handle(args[1]);
     self->itemsize[d] = (int)PyLong_AsLong(args[2]);
     self->move_code[d] = PyLong_AsLongLong(args[3]);
@@ -352,6 +365,8 @@ static PyObject *fast_add_dtype(Fast *self, PyObject *const *args, Py_ssize_t na
         }
     }
     if (PyErr_Occurred()) return NULL;
+    Py_INCREF(args[0]);
+    self->dtypes[d] = args[0];
     self->ndtypes++;
     Py_RETURN_NONE;
 }
@@ -369,8 +384,7 @@ static int op_index(Fast *self, PyObject *name) {
         if (self->op_names[i] == name) return i;
     if (!PyUnicode_Check(name)) return -1;
     for (int i = 0; i < MAX_OPS && self->op_names[i] != NULL; i++)
-        if (PyUnicode_Compare(self->op_names[i], name) == 0) return i;
-    PyErr_Clear();
+        if (PyUnicode_Compare(self->op_names[i], name) == 0) return i; /* (two str: no error possible) */
     return -1;
 }
 
@@ -408,7 +422,12 @@ static int open_for(Fast *self, int kind, double nbytes) {
     PyObject *plain = PyDict_GetItem(self->dict, s_plain);
     if (plain != Py_True) return 0;
     PyObject *below = PyDict_GetItem(self->dict, s_below[kind]);
-    return below != NULL && nbytes < PyFloat_AsDouble(below);
+    double limit = below == NULL ? 0 : PyFloat_AsDouble(below);
+    if (limit == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear(); /* not a number: the Python path reads it and says so */
+        return 0;
+    }
+    return nbytes < limit && nbytes < 2147483648.0; /* an int count, whatever the limit says */
 }
 
 /* Number the call, post progress, record its agreement entry (code | bytes << 32 | (extra + 1) << 80) and run
@@ -494,6 +513,12 @@ static PyObject *complete(Fast *self, int kind, long long seq, int rc, MPI_Reque
     return result;
 }
 
+#define READY                                                                                   \
+    if (self->dict == NULL) {                                                                   \
+        PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast.Fast: not initialised, or cleared"); \
+        return NULL;                                                                            \
+    }
+
 /* The Python fast path with the caller's arguments unchanged. */
 static PyObject *python(Fast *self, int kind, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     return PyObject_Vectorcall(self->python[kind], args, nargs, kwnames);
@@ -507,7 +532,7 @@ static int keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, 
         PyObject *name = PyTuple_GET_ITEM(kwnames, i);
         int found = 0;
         for (int k = 0; k < count; k++)
-            if (name == names[k] || PyUnicode_Compare(name, names[k]) == 0) {
+            if (name == names[k] || (PyUnicode_Check(name) && PyUnicode_Compare(name, names[k]) == 0)) {
                 values[k] = args[nargs + i];
                 found = 1;
             }
@@ -519,6 +544,7 @@ static int keywords(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, 
 /* allreduce(tensor, op="sum", *, async_op=False) */
 static PyObject *fast_allreduce(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    READY;
     PyObject *names[2] = {s_op, s_async_op}, *values[2] = {NULL, NULL};
     if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 2) || (nargs == 2 && values[0]))
         return python(self, ALLREDUCE, args, nargs, kwnames);
@@ -548,9 +574,8 @@ static PyObject *fast_allreduce(Fast *self, PyObject *const *args, size_t nargsf
 /* broadcast(tensor, root=0, *, async_op=False) */
 static PyObject *fast_broadcast(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    static PyObject *root_name;
-    if (root_name == NULL) root_name = PyUnicode_InternFromString("root");
-    PyObject *names[2] = {root_name, s_async_op}, *values[2] = {NULL, NULL};
+    READY;
+    PyObject *names[2] = {s_root, s_async_op}, *values[2] = {NULL, NULL};
     if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 2) || (nargs == 2 && values[0]))
         return python(self, BROADCAST, args, nargs, kwnames);
     PyObject *tensor = args[0], *root_obj = nargs == 2 ? args[1] : values[0];
@@ -558,8 +583,9 @@ static PyObject *fast_broadcast(Fast *self, PyObject *const *args, size_t nargsf
         return python(self, BROADCAST, args, nargs, kwnames);
     long root = 0;
     if (root_obj != NULL) {
-        if (!PyLong_CheckExact(root_obj)) return python(self, BROADCAST, args, nargs, kwnames);
-        root = PyLong_AsLong(root_obj);
+        int overflow = 0;
+        if (PyLong_CheckExact(root_obj)) root = PyLong_AsLongAndOverflow(root_obj, &overflow);
+        if (!PyLong_CheckExact(root_obj) || overflow) return python(self, BROADCAST, args, nargs, kwnames);
     }
     if (root < 0 || root >= self->size || root >= MAX_ROOTS) return python(self, BROADCAST, args, nargs, kwnames);
     int plain = plain_cpu_tensor(self, tensor);
@@ -605,6 +631,7 @@ static int same_tail(PyObject *a, PyObject *b) {
 /* allgather(tensor, *, sizes=None, out=None, async_op=False): equal sizes, `out` given */
 static PyObject *fast_allgather(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    READY;
     PyObject *names[3] = {s_sizes, s_out, s_async_op}, *values[3] = {NULL, NULL, NULL};
     if (nargs != 1 || !keywords(args, nargs, kwnames, names, values, 3)) return python(self, ALLGATHER, args, nargs, kwnames);
     PyObject *tensor = args[0], *sizes = values[0], *out = values[1], *result = NULL;
@@ -615,19 +642,22 @@ static PyObject *fast_allgather(Fast *self, PyObject *const *args, size_t nargsf
     int plain = plain_cpu_tensor(self, tensor);
     if (plain > 0) plain = plain_cpu_tensor(self, out);
     if (plain <= 0) return plain < 0 ? NULL : python(self, ALLGATHER, args, nargs, kwnames);
-    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype), *out_dtype = PyObject_GetAttr(out, s_dtype);
-    PyObject *shape = shape_of(tensor), *whole = shape_of(out);
-    int d = dtype == NULL ? -1 : dtype_index(self, dtype);
-    int same_dtype = dtype != NULL && dtype == out_dtype;
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype), *out_dtype = dtype ? PyObject_GetAttr(out, s_dtype) : NULL;
+    int d = dtype == NULL ? -1 : dtype_index(self, dtype), same_dtype = dtype != NULL && dtype == out_dtype;
     Py_XDECREF(dtype);
     Py_XDECREF(out_dtype);
-    if (shape == NULL || whole == NULL) goto done;
+    if (out_dtype == NULL) return NULL;
+    PyObject *shape = shape_of(tensor), *whole = shape ? shape_of(out) : NULL;
+    if (whole == NULL) goto done;
     long long rows = PyTuple_GET_SIZE(shape) ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0)) : -1;
     int fits = d >= 0 && same_dtype && rows >= 0 && same_tail(shape, whole) &&
                PyLong_AsLongLong(PyTuple_GET_ITEM(whole, 0)) == rows * self->size;
+    /* (`sizes` read only now, after the calls into torch, within its current length: a torch function mode
+       could have changed it) */
     for (Py_ssize_t r = 0; fits && r < self->size; r++) {
-        PyObject *n = PySequence_Fast_GET_ITEM(sizes, r);
-        fits = PyLong_CheckExact(n) && PyLong_AsLongLong(n) == rows;
+        int overflow = 0;
+        PyObject *n = r < PySequence_Fast_GET_SIZE(sizes) ? PySequence_Fast_GET_ITEM(sizes, r) : NULL;
+        fits = n != NULL && PyLong_CheckExact(n) && PyLong_AsLongLongAndOverflow(n, &overflow) == rows && !overflow;
     }
     if (PyErr_Occurred()) goto done;
     if (!fits) {
@@ -666,6 +696,7 @@ done:
 /* reduce_scatter(tensor, op="sum", *, out=None, async_op=False): `out` given */
 static PyObject *fast_reduce_scatter(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    READY;
     PyObject *names[3] = {s_op, s_out, s_async_op}, *values[3] = {NULL, NULL, NULL};
     if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 3) || (nargs == 2 && values[0]))
         return python(self, REDUCE_SCATTER, args, nargs, kwnames);
@@ -675,13 +706,14 @@ static PyObject *fast_reduce_scatter(Fast *self, PyObject *const *args, size_t n
     int plain = plain_cpu_tensor(self, tensor);
     if (plain > 0) plain = plain_cpu_tensor(self, out);
     if (plain <= 0) return plain < 0 ? NULL : python(self, REDUCE_SCATTER, args, nargs, kwnames);
-    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype), *out_dtype = PyObject_GetAttr(out, s_dtype);
-    PyObject *shape = shape_of(tensor), *block = shape_of(out);
-    int d = dtype == NULL ? -1 : dtype_index(self, dtype), o = op == NULL ? 0 : op_index(self, op);
-    int same_dtype = dtype != NULL && dtype == out_dtype;
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype), *out_dtype = dtype ? PyObject_GetAttr(out, s_dtype) : NULL;
+    int d = dtype == NULL ? -1 : dtype_index(self, dtype), same_dtype = dtype != NULL && dtype == out_dtype;
     Py_XDECREF(dtype);
     Py_XDECREF(out_dtype);
-    if (shape == NULL || block == NULL) goto done;
+    if (out_dtype == NULL) return NULL;
+    int o = op == NULL ? 0 : op_index(self, op);
+    PyObject *shape = shape_of(tensor), *block = shape ? shape_of(out) : NULL;
+    if (block == NULL) goto done;
     long long rows = PyTuple_GET_SIZE(shape) ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0)) : -1;
     long long block_rows = PyTuple_GET_SIZE(block) ? PyLong_AsLongLong(PyTuple_GET_ITEM(block, 0)) : -1;
     int fits = d >= 0 && o >= 0 && self->scatter_code[d][o] != 0 && same_dtype && rows >= 0 &&
@@ -710,10 +742,18 @@ done:
 }
 
 static PyMethodDef fast_methods[] = {
-    {"allreduce", (PyCFunction)(void (*)(void))fast_allreduce, METH_FASTCALL | METH_KEYWORDS, NULL},
-    {"allgather", (PyCFunction)(void (*)(void))fast_allgather, METH_FASTCALL | METH_KEYWORDS, NULL},
-    {"reduce_scatter", (PyCFunction)(void (*)(void))fast_reduce_scatter, METH_FASTCALL | METH_KEYWORDS, NULL},
-    {"broadcast", (PyCFunction)(void (*)(void))fast_broadcast, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"allreduce", (PyCFunction)(void (*)(void))fast_allreduce, METH_FASTCALL | METH_KEYWORDS,
+     "allreduce($self, tensor, op='sum', *, async_op=False)\n--\n\n"
+     "MpiCommunicator.allreduce, its blocking fast path compiled (the same semantics: see there)."},
+    {"allgather", (PyCFunction)(void (*)(void))fast_allgather, METH_FASTCALL | METH_KEYWORDS,
+     "allgather($self, tensor, *, sizes=None, out=None, async_op=False)\n--\n\n"
+     "Communicator.allgather, its blocking fast path compiled (the same semantics: see there)."},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))fast_reduce_scatter, METH_FASTCALL | METH_KEYWORDS,
+     "reduce_scatter($self, tensor, op='sum', *, out=None, async_op=False)\n--\n\n"
+     "Communicator.reduce_scatter, its blocking fast path compiled (the same semantics: see there)."},
+    {"broadcast", (PyCFunction)(void (*)(void))fast_broadcast, METH_FASTCALL | METH_KEYWORDS,
+     "broadcast($self, tensor, root=0, *, async_op=False)\n--\n\n"
+     "Communicator.broadcast, its blocking fast path compiled (the same semantics: see there)."},
     {"add_op", (PyCFunction)(void (*)(void))fast_add_op, METH_FASTCALL, NULL},
     {"add_dtype", (PyCFunction)(void (*)(void))fast_add_dtype, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
@@ -739,7 +779,7 @@ static int intern_names(void) {
         if ((s_below[i] = PyUnicode_InternFromString(below[i])) == NULL) return -1;
         if ((s_kind_names[i] = PyUnicode_InternFromString(kinds[i])) == NULL) return -1;
     }
-    return ((s_plain = PyUnicode_InternFromString("_plain")) && (s_seq = PyUnicode_InternFromString("_seq")) &&
+    return ((s_root = PyUnicode_InternFromString("root")) && (s_plain = PyUnicode_InternFromString("_plain")) && (s_seq = PyUnicode_InternFromString("_seq")) &&
             (s_every = PyUnicode_InternFromString("_every")) && (s_ring = PyUnicode_InternFromString("_ring")) &&
             (s_dtype = PyUnicode_InternFromString("dtype")) && (s_is_cpu = PyUnicode_InternFromString("is_cpu")) &&
             (s_nbytes = PyUnicode_InternFromString("nbytes")) && (s_shape = PyUnicode_InternFromString("shape")) &&

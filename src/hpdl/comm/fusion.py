@@ -67,7 +67,8 @@ class Bucket:
     def __post_init__(self) -> None:
         if len(self.targets) > 1:
             self.chunks = self.flat.split([t.numel() for t in self.targets])
-            if _copies is not None and self.flat.is_cpu:
+            # (not for tensors autograd tracks: torch.cat would refuse them, and its version counters must move)
+            if _copies is not None and self.flat.is_cpu and not any(t.requires_grad for t in self.targets):
                 size = self.flat.element_size()
                 pairs = [value for t in self.targets for value in (t.data_ptr(), t.numel() * size)]
                 self.table = array("q", pairs).tobytes()
@@ -83,8 +84,17 @@ class Bucket:
         """Copy the (reduced) flat buffer back into the tensors."""
         if self.table is not None:
             _copies.unpack(self.flat.data_ptr(), self.table)
+            _modified(self.targets)  # what torch's own copies do: a tensor saved for backward must not look unchanged
         elif len(self.targets) > 1:
             torch._foreach_copy_(self.targets, self.chunks)
+
+
+def _modified(tensors: list[torch.Tensor]) -> None:
+    try:
+        torch.autograd.graph.increment_version(tensors)  # a list: torch >= 2.5 (17 us for 200 tensors)
+    except TypeError:
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
 
 
 @dataclass

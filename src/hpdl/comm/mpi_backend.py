@@ -395,9 +395,9 @@ class MpiCommunicator(Communicator):
         return super().reduce_scatter(tensor, op, out=out, async_op=async_op)
 
     def broadcast(self, tensor: Any, root: int = 0, *, async_op: bool = False) -> Any:
-        if type(tensor) is _Tensor and self._plain:
+        if type(tensor) is _Tensor and type(root) is int and self._plain:  # (True or np.int64(1) would match 1)
             spec = self._fast_broadcast.get((tensor.dtype, root))
-            if spec is None and type(root) is int and 0 <= root < self.size:
+            if spec is None and 0 <= root < self.size:
                 spec = self._fast.add_broadcast(tensor.dtype, root)
             if spec is not None and tensor.is_cpu and tensor.is_contiguous():
                 nbytes = tensor.nbytes
