@@ -61,31 +61,43 @@ static int count_of(PyObject *nbytes_obj, MPI_Datatype datatype) {
     return (int)(nbytes / size);
 }
 
-/* Test `request` (started by the caller) for up to `wait` seconds with the GIL released: None when it
-   completed, else an mpi4py Request for the caller's bounded wait. `received` gets the byte count of a
-   completed receive when not NULL. A negative `wait` returns the Request untested. */
+/* Test `request` once, then for up to `wait` seconds with the GIL released (at full speed, then yielding the
+   core): MPI's return code; `*flag` says whether it completed. */
+static int test_for(MPI_Request *request, double wait, int *flag, MPI_Status *status) {
+    int rc = MPI_Test(request, flag, status);
+    if (rc == MPI_SUCCESS && !*flag && wait > 0) {
+        Py_BEGIN_ALLOW_THREADS double start = now(), spent = 0;
+        while (rc == MPI_SUCCESS && !*flag && spent < wait) {
+            if (spent > SPIN_SECONDS) sched_yield(); /* the peer may be waiting for this core */
+            rc = MPI_Test(request, flag, status);
+            spent = now() - start;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return rc;
+}
+
+/* An operation still in flight as an mpi4py Request (for the caller's bounded wait). */
+static PyObject *as_request(MPI_Request request) {
+    return PyObject_CallFunction(request_fromhandle, "N", PyLong_FromSize_t(HANDLE_VALUE(request)));
+}
+
+/* Test `request` (started by the caller) for up to `wait` seconds: None when it completed, else an mpi4py
+   Request. `received` gets the byte count of a completed receive when not NULL. A negative `wait` returns the
+   Request untested. */
 static PyObject *finish(int started, MPI_Request request, double wait, int *received) {
-    int flag = 0, rc = MPI_SUCCESS;
+    int flag = 0;
     MPI_Status status;
     if (started != MPI_SUCCESS) return mpi_error(started);
     if (wait >= 0) {
-        rc = MPI_Test(&request, &flag, &status);
-        if (rc == MPI_SUCCESS && !flag && wait > 0) {
-            Py_BEGIN_ALLOW_THREADS double start = now(), spent = 0;
-            while (rc == MPI_SUCCESS && !flag && spent < wait) {
-                if (spent > SPIN_SECONDS) sched_yield(); /* the peer may be waiting for this core */
-                rc = MPI_Test(&request, &flag, &status);
-                spent = now() - start;
-            }
-            Py_END_ALLOW_THREADS
-        }
+        int rc = test_for(&request, wait, &flag, &status);
         if (rc != MPI_SUCCESS) return mpi_error(rc);
         if (flag) {
             if (received != NULL) MPI_Get_count(&status, MPI_BYTE, received);
             Py_RETURN_NONE;
         }
     }
-    return PyObject_CallFunction(request_fromhandle, "N", PyLong_FromSize_t(HANDLE_VALUE(request)));
+    return as_request(request);
 }
 
 #define ARGS(n)                                                                               \
@@ -480,29 +492,18 @@ static long long begin(Fast *self, int kind, long long code, long long nbytes, l
 
 /* After the MPI call started with `rc`: wait up to WAIT seconds; then the result (a new reference to `result`),
    or the bounded wait / error through comm._fast_slow. */
-#define WAIT_SECONDS 2e-3
+#define WAIT_SECONDS 2e-3 /* mpi_backend._WAIT: the Python fast paths' own */
 static PyObject *complete(Fast *self, int kind, long long seq, int rc, MPI_Request request, PyObject *keep,
                           PyObject *result) {
     int flag = 0;
-    if (rc == MPI_SUCCESS) {
-        rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
-        if (rc == MPI_SUCCESS && !flag) {
-            Py_BEGIN_ALLOW_THREADS double start = now(), spent = 0;
-            while (rc == MPI_SUCCESS && !flag && spent < WAIT_SECONDS) {
-                if (spent > SPIN_SECONDS) sched_yield();
-                rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
-                spent = now() - start;
-            }
-            Py_END_ALLOW_THREADS
-        }
-    }
+    if (rc == MPI_SUCCESS) rc = test_for(&request, WAIT_SECONDS, &flag, MPI_STATUS_IGNORE);
     if (rc == MPI_SUCCESS && flag) {
         Py_INCREF(result);
         return result;
     }
     PyObject *request_obj = Py_None;
     if (rc == MPI_SUCCESS) {
-        request_obj = PyObject_CallFunction(request_fromhandle, "N", PyLong_FromSize_t(HANDLE_VALUE(request)));
+        request_obj = as_request(request);
         if (request_obj == NULL) return NULL;
     } else
         Py_INCREF(request_obj);
