@@ -135,6 +135,34 @@ def test_reduce_scatter(group):
             assert _close(value, full[rank * m : (rank + 1) * m]), (dtype_name, op, m)
 
 
+def reduce_scatter_mid_sizes(comm):
+    """Inputs of 768 KiB, in the window where MPICH's nonblocking reduce_scatter runs another MPI call
+    (mpi_calls.counted_reduce_scatter), blocking and async: (dtype, op, async) of every wrong result."""
+    wrong = []
+    for dtype in ALL_DTYPES:
+        if dtype == torch.bool:
+            continue
+        wire = 4 if dtype in (torch.float16, torch.bfloat16) else torch.empty(0, dtype=dtype).element_size()
+        rows = (768 * 1024) // (comm.size * 2 * wire)
+        for op in ops_for(dtype):
+            x = make_input(comm.rank, comm.size * rows * 2, dtype, op).reshape(-1, 2)
+            full = expected_reduce(comm.size, comm.size * rows * 2, dtype, op).reshape(-1, 2)
+            mine = full[comm.rank * rows : (comm.rank + 1) * rows]
+            for async_op in (False, True):
+                out = torch.full((rows, 2), -7, dtype=dtype)
+                done = comm.reduce_scatter(x, op=op, out=out, async_op=async_op)
+                if async_op:
+                    done.wait()
+                if not _close(out, mine):
+                    wrong.append((str(dtype), op, async_op))
+    return wrong
+
+
+@pytest.mark.parametrize("nprocs, env", [(2, None), (3, None), (2, SHM)], ids=["mpi-2", "mpi-3", "mpi-2-shm"])
+def test_reduce_scatter_at_mid_sizes(ranks, nprocs, env):
+    assert ranks("mpi", nprocs, env).run(reduce_scatter_mid_sizes) == [[]] * nprocs
+
+
 def broadcast_all(comm):
     out = {}
     for dtype in ALL_DTYPES:

@@ -260,3 +260,31 @@ def test_fusion_leaves_tensors_autograd_tracks_to_torch():
     assert bucket.table is None
     with pytest.raises(RuntimeError, match="automatic differentiation"):
         bucket.fill()  # what torch.cat says; the memcpy loop would have copied silently
+
+
+def counted_window(comm):
+    import os
+
+    from hpdl.comm import mpi_calls
+
+    windows = {"library": comm._counted_reduce_scatter, "gate": comm._fast_reduce_scatter_below}
+    windows["default"] = mpi_calls.MPICH_COUNTED_REDUCE_SCATTER
+    windows["mpich"] = mpi_calls.counted_reduce_scatter("MPICH 5.0.2")
+    windows["open mpi"] = mpi_calls.counted_reduce_scatter("Open MPI v5.0.5")
+    for text in ("0", "1000:2000", "2000:1000", "big"):
+        os.environ["HPDL_COUNTED_REDUCE_SCATTER"] = text
+        try:
+            windows[text] = mpi_calls.counted_reduce_scatter("MPICH 5.0.2")
+        except ValueError as exc:
+            windows[text] = str(exc)
+    del os.environ["HPDL_COUNTED_REDUCE_SCATTER"]
+    return windows
+
+
+def test_mid_size_reduce_scatter_window_leaves_the_fast_path_and_reads_its_setting(ranks):
+    windows = ranks("mpi", 2).run(counted_window)[0]
+    mpich = windows["default"]
+    assert windows["mpich"] == mpich and windows["open mpi"] == (0, 0)
+    assert windows["library"] == mpich and windows["gate"] == mpich[0]  # this suite runs on MPICH
+    assert windows["0"] == (0, 0) and windows["1000:2000"] == (1000, 2000)
+    assert "FROM <= TO" in windows["2000:1000"] and "must be FROM:TO" in windows["big"]

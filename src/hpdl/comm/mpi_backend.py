@@ -189,6 +189,8 @@ class MpiCommunicator(Communicator):
         """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
         # Read once: this is consulted on every collective.
         self._shm_thresholds = {op: shm.thresholds(op) for op in shm.DEFAULT_THRESHOLDS}
+        self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
+        """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not MPI_Ireduce_scatter_block."""
         self._open_shm_gates()
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
@@ -259,7 +261,8 @@ class MpiCommunicator(Communicator):
         # The fast paths also leave messages that need more than an int count to the general path.
         self._fast_allreduce_below = min(gate["allreduce"], _INT_COUNT)
         self._fast_allgather_below = min(gate["allgather"], _INT_COUNT)
-        self._fast_reduce_scatter_below = min(gate["reduce_scatter"], _INT_COUNT)
+        low, high = self._counted_reduce_scatter
+        self._fast_reduce_scatter_below = min(gate["reduce_scatter"], _INT_COUNT, low if low < high else math.inf)
         self._fast_broadcast_below = min(gate["broadcast"], _INT_COUNT)
 
     # ------------------------------------------------------------------ fast paths
@@ -629,9 +632,16 @@ class MpiCommunicator(Communicator):
         wire = host.float() if t.dtype in _HALF else host
         result = _output(out, wire, (t.shape[0] // self.size, *t.shape[1:]), wire.dtype)
         dtype = _move_type(wire, "reduce_scatter")
-        request = self.mpi_comm.Ireduce_scatter_block(
-            _buffer(wire, dtype), _buffer(result, dtype), _reduce_op(wire, op)
-        )
+        low, high = self._counted_reduce_scatter
+        if low <= wire.nbytes < high:  # the same operation, through the call that is fast at these sizes
+            count = result.numel()
+            request = self.mpi_comm.Ireduce_scatter(
+                _buffer(wire, dtype), _buffer(result, dtype), [count] * self.size, _reduce_op(wire, op)
+            )
+        else:
+            request = self.mpi_comm.Ireduce_scatter_block(
+                _buffer(wire, dtype), _buffer(result, dtype), _reduce_op(wire, op)
+            )
 
         def finish() -> torch.Tensor:
             if op == "avg":
