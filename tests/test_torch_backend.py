@@ -50,6 +50,17 @@ def test_async_point_to_point_and_objects_equal_gloo(pool):
         _same(mine, theirs)
 
 
+def test_a_blocking_call_runs_to_its_end_before_it_returns(pool):
+    """torch >= 2.6 tells the backend when the caller waits at once (asyncOp=False): the work comes back complete."""
+    k = pool.nprocs
+    total, last = float(k * (k + 1) // 2), float(k)
+    for result in pool.run(bodies.blocking_calls_complete_on_return):
+        assert result[("blocking", "allreduce")] == (True, total, total)
+        assert result[("blocking", "broadcast")] == (True, last, last)
+        assert result[("async", "allreduce")] == (None, total, total)
+        assert result[("async", "broadcast")] == (None, last, last)
+
+
 def test_functional_collectives_equal_gloo(pool):
     for mine, theirs in zip(pool.run(bodies.functional, "hpdl"), pool.run(bodies.functional, "gloo")):
         _same(mine, theirs)

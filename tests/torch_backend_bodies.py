@@ -348,3 +348,25 @@ def finishes_early(comm: Any) -> tuple:
     waited = time.perf_counter() - started
     dist.destroy_process_group(g)
     return waited, error
+
+
+def blocking_calls_complete_on_return(comm: Any) -> dict:
+    """The backend's process group called as torch calls it, asyncOp False and True, on 4 MiB: whether the
+    returned work was complete before anyone waited, and the results (every rank's rank + 1, summed)."""
+    g = groups()["hpdl"]
+    out = {}
+    for label, async_op in (("blocking", False), ("async", True)):
+        for name in ("allreduce", "broadcast"):
+            x = torch.full((1 << 20,), float(dist.get_rank() + 1))
+            if name == "allreduce":
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = dist.ReduceOp.SUM
+            else:
+                opts = dist.BroadcastOptions()
+                opts.rootRank = dist.get_world_size() - 1
+            opts.asyncOp = async_op
+            work = getattr(g, name)([x], opts)
+            complete = work.is_completed() if not async_op else None  # async: may or may not be, both are right
+            work.wait()
+            out[(label, name)] = (complete, float(x.min()), float(x.max()))
+    return out

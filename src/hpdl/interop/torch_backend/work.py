@@ -23,14 +23,16 @@ class HpdlWork(dist._Work):
     with the list of output tensors as its value.
     """
 
+    # Defaults on the class: an instance sets only what changes (a small dist.all_reduce makes one per call).
+    _done = False
+    _resolved = False
+    _future: Optional[torch.futures.Future] = None  # made on first use: most calls never ask for it
+    _error: Optional[BaseException] = None
+    sender: Optional[int] = None
+
     def __init__(self, outputs: Any = None) -> None:
         super().__init__()
-        self._done = False
-        self._resolved = False
-        self._future: Optional[torch.futures.Future] = None  # made on first use: most calls never ask for it
         self._outputs = outputs
-        self._error: Optional[BaseException] = None
-        self.sender: Optional[int] = None
 
     # torch.distributed's Work API ---------------------------------------------------
     def wait(self, timeout: Any = None) -> bool:
