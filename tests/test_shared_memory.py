@@ -167,12 +167,13 @@ def default_thresholds(comm):
     mixed = window if comm.rank == 0 else plain
     mixed.fill_(comm.rank + 1)
     comm.allreduce(mixed)
-    return shared_phases, plain_phases, float(window[0]), float(plain[-1]), float(mixed.sum()) / n
+    pieces = -(-n // comm._node._chunk(torch.float32))
+    return shared_phases, plain_phases, float(window[0]), float(plain[-1]), float(mixed.sum()) / n, pieces
 
 
 def test_default_thresholds_agree_on_one_path(ranks):
     total = 3.0
-    for shared_phases, plain_phases, shared, plain, mixed in ranks("mpi", 2).run(default_thresholds):
-        assert shared_phases == 4  # agreement + the three phases of the shared-memory allreduce
+    for shared_phases, plain_phases, shared, plain, mixed, pieces in ranks("mpi", 2).run(default_thresholds):
+        assert shared_phases == 1 + 3 * pieces  # agreement + the three phases of each piece of the allreduce
         assert plain_phases == 1  # agreement only: the ordinary tensor went through MPI
         assert shared == total and plain == total and mixed == total

@@ -57,10 +57,17 @@ _MB = 1024 * 1024
 # output and 1.4x copied in from 32 MiB; reduce_scatter 1.5x zero-copy
 # from 2 MiB of input, copied in only where MPICH's own slows down (4x at
 # 64 MiB; 0.9-1.5x at 16-48 MiB). MPICH's broadcast is never slower.
+# A later VM of the same kind (2026-12-02, same MPICH; tight loops alternating
+# the shared-memory and MPI paths of one communicator) had allreduce slower
+# through shared memory at 1 MiB zero-copy (1.1-1.8x MPI, 3 runs) and 4 MiB
+# copied in (1.15-1.26x, 3 runs), faster from 2 MiB zero-copy in 2 runs of 3
+# and from 8 MiB copied in in 3 runs of 4 (0.74-0.94x; 0.35-0.9x at 32-64
+# MiB): allreduce moved to 2 MiB / 8 MiB. The crossover moves with the
+# machine's memory bandwidth and its load; measure and set the variables.
 # HPDL_SHM_MIN_<OP>=bytes overrides both numbers of one operation.
 NEVER = 1 << 62
 DEFAULT_THRESHOLDS = {
-    "allreduce": (_MB, 4 * _MB),
+    "allreduce": (2 * _MB, 8 * _MB),
     "reduce_scatter": (2 * _MB, 64 * _MB),
     "allgather": (16 * _MB, 32 * _MB),
     "broadcast": (NEVER, NEVER),
