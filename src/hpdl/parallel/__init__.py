@@ -32,6 +32,8 @@ _LAZY = {
     "Plan": "hpdl.parallel.mesh",
     "build": "hpdl.parallel.mesh",
     "clip_grad_norm_": "hpdl.parallel.mesh",
+    "BranchParallel": "hpdl.parallel.branch",
+    "Branches": "hpdl.parallel.branch",
 }
 """Public name -> the package that offers it (imported on first access: start-up time, not a cycle)."""
 

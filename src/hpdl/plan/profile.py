@@ -229,7 +229,11 @@ def measure(
 
     if not isinstance(model, nn.Module):
         raise ProfileError(f"measure() profiles an nn.Module, got {type(model).__name__}")
-    tp_plan = dict(tp_plan if tp_plan is not None else getattr(model, "tp_plan", None) or {})
+    if tp_plan is None:  # the model's own, else its Branches blocks (what hpdl.parallel.Plan does)
+        from hpdl.parallel.branch.block import branch_plan
+
+        tp_plan = getattr(model, "tp_plan", None) or branch_plan(model)
+    tp_plan = dict(tp_plan)
     config = getattr(model, "config", None)
     heads = getattr(config, "n_head", 0) if isinstance(getattr(config, "n_head", 0), int) else 0
     first = next(iter(model.parameters()), None)
@@ -301,9 +305,15 @@ def measure(
         # Tensor parallelism splits the modules the model's tp_plan names (hpdl.parallel.Plan's styles):
         # a row-parallel or vocabulary layer allreduces its output in forward, a column one its input
         # gradient in backward (Megatron). Without a tp_plan the layer is not split (tp_max = 1).
+        # A "branch" block (Branches) spreads its branches, every parameter and FLOP of them, over the tp
+        # ranks: one merge of its output in forward, one sum of its input gradient in backward (counted
+        # as allreduces of the output: an allgather of a concat costs less), at most one rank per branch.
         split = _tp_modules(module, unit_name, tp_plan)
         split_ids = {id(m) for m, _ in split}
-        tp_params = sum(p.numel() for m, _ in split for p in m.parameters(recurse=False) if id(p) in params)
+        tp_params = sum(
+            p.numel() for m, style in split for p in m.parameters(recurse=style == "branch") if id(p) in params
+        )
+        branch_counts = [len(m.branches) for m, style in split if style == "branch"]
         split_names = [sub for sub, m in module.named_modules() if id(m) in split_ids]
         # A head-split qkv projection splits its attention module's score and weighted-sum FLOPs too.
         qkv = {id(m) for m, style in split if style == "qkv"}
@@ -324,9 +334,9 @@ def measure(
                 tp_params=min(tp_params, sum(p.numel() for p in unit_params)),
                 tp_flops=tp_flops / batch,
                 tp_activation_bytes=saved[i] * share / batch,
-                tp_allreduce_fwd=sum(style in ("row", "vocab") for _, style in split),
-                tp_allreduce_bwd=sum(style in ("column", "qkv", "column_gather") for _, style in split),
-                tp_max=heads if tp_plan else 1,
+                tp_allreduce_fwd=sum(style in ("row", "vocab", "branch") for _, style in split),
+                tp_allreduce_bwd=sum(style in ("column", "qkv", "column_gather", "branch") for _, style in split),
+                tp_max=min(branch_counts + ([heads] if heads else [])) if branch_counts else (heads if tp_plan else 1),
                 ops=ops[i],
                 tensors=len(unit_params),
             )

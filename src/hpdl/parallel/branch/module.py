@@ -11,7 +11,7 @@ from hpdl.comm.base import Communicator
 from hpdl.parallel.branch import placement as placing
 from hpdl.parallel.branch.merge import Layout, allreduce_sum, gather_concat, sum_input_grad
 
-__all__ = ["BranchParallel", "MERGES"]
+__all__ = ["BranchParallel", "MERGES", "branch_parameters"]
 
 MERGES = ("concat", "sum", "mean")
 
@@ -131,6 +131,17 @@ class BranchParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"merge={self.merge!r}, branches={self.count}, placement={self.placement}, owned={self.owned}"
+
+
+def branch_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters of `model` that live in a `BranchParallel`'s branches: each rank holds its own
+    branches' (and nobody else's), so a global norm or a checkpoint must take them from every rank."""
+    return [
+        f"{name}.{pname}" if name else pname
+        for name, module in model.named_modules()
+        if isinstance(module, BranchParallel)
+        for pname, _ in module.branches.named_parameters(prefix="branches")
+    ]
 
 
 def check_independent(branches: Sequence[nn.Module]) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from hpdl.parallel.branch.module import branch_parameters
 from hpdl.parallel.mesh.mesh import Mesh
 from hpdl.parallel.mesh.state import view_of
 from hpdl.parallel.shared import clip_by_global_norm_
@@ -21,7 +22,8 @@ def clip_grad_norm_(model: Any, max_norm: float, mesh: Mesh, *, norm_type: float
     Call it after backward (or `pipe.step`) and before `optimizer.step()`
     on every rank of the mesh (collective over tp and pp, and dp under
     ZeRO). The norm counts each logical parameter once: tp slices of split
-    parameters are summed over the tp group, replicated parameters (layer
+    parameters and the branches of `BranchParallel` blocks (each on one tp
+    rank) are summed over the tp group, replicated parameters (layer
     norms, row biases) are counted on tp rank 0 only, stages are summed
     over pp, and dp replicas already hold the same averaged gradients (ZeRO
     shards, which are disjoint, are summed over dp). Returns the norm
@@ -33,7 +35,7 @@ def clip_grad_norm_(model: Any, max_norm: float, mesh: Mesh, *, norm_type: float
     view = view_of(model)
     if isinstance(view.wrapper, ZeroModel):  # disjoint shards over dp: summed there too
         return clip_zero_grad_norm_(view.wrapper, max_norm, norm_type=norm_type, mesh=mesh)
-    split = set(tp_shards(view.plain))
+    split = set(tp_shards(view.plain)) | set(branch_parameters(view.plain))  # held by one tp rank each
     named = [(name in split, p.grad) for name, p in view.plain.named_parameters() if p.grad is not None]
     return clip_by_global_norm_(
         [g for _, g in named],

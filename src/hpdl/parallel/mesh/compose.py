@@ -12,12 +12,14 @@ gradients averaged over dp x sp.
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from hpdl.parallel.data import DataParallel
+from hpdl.parallel.branch.block import BRANCH_STYLE, spread
+from hpdl.parallel.data import DataParallel, broadcast_tensors
 from hpdl.parallel.mesh.mesh import Mesh
 from hpdl.parallel.mesh.plan_config import DEGREES, Plan, PlanError
 from hpdl.parallel.mesh.state import LAYER_NAMES
@@ -84,7 +86,7 @@ def build(
     if plan.sp > 1 and plan.pp == 1:
         return _build_spatial(model, mesh, plan, optimizer, optimizer_options)
     if mesh.tp.size > 1:
-        parallelize(model, mesh.tp, plan.tp_plan_for(model))
+        _tensor_parallel(model, mesh, plan.tp_plan_for(model))
     if plan.pp > 1:
         return _build_pipeline(model, mesh, plan, optimizer, optimizer_options)
     if plan.zero_stage:
@@ -103,6 +105,22 @@ def build(
     if mesh.dp.size > 1:
         wrapped = DataParallel(model, mesh.dp, bucket_mb=plan.bucket_mb, compression=plan.compression)
     return wrapped, optimizer(wrapped.parameters(), **optimizer_options)
+
+
+def _tensor_parallel(model: nn.Module, mesh: Mesh, tp_plan: dict[str, str]) -> None:
+    """The tp_plan applied over mesh.tp: `Branches` blocks ("branch") spread as `BranchParallel`, the rest
+    split by `parallelize`; tp rank 0's values first, so that ranks that initialised differently agree."""
+    branches = {pattern for pattern, style in tp_plan.items() if style == BRANCH_STYLE}
+    rest = {pattern: style for pattern, style in tp_plan.items() if pattern not in branches}
+    if branches:
+        broadcast_tensors(mesh.tp, [*model.parameters(), *model.buffers()], root=0)
+        chosen = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in branches)]
+        for name in [n for n in chosen if not any(n.startswith(f"{outer}.") for outer in chosen)]:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, spread(getattr(parent, attr), mesh.tp))
+    if rest:
+        parallelize(model, mesh.tp, rest)
 
 
 def _build_spatial(

@@ -25,11 +25,29 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from hpdl.parallel.tensor.styles import TP_STYLES, split_problem
+from hpdl.parallel.branch.block import BRANCH_STYLE, branch_plan, branch_problem
+from hpdl.parallel.tensor.styles import TP_STYLES
+from hpdl.parallel.tensor.styles import split_problem as _tensor_split_problem
 
-__all__ = ["Plan", "PlanError", "TP_STYLES", "AXES", "DEGREES", "full_placement", "resolve_degrees", "split_problem"]
+__all__ = [
+    "Plan", "PlanError", "TP_STYLES", "PLAN_STYLES", "AXES", "DEGREES", "full_placement", "resolve_degrees",
+    "split_problem",
+]  # fmt: skip
 
 AXES = ("tp", "sp", "dp", "pp")
+PLAN_STYLES = {
+    **TP_STYLES,
+    BRANCH_STYLE: "BranchParallel: a Branches block's independent branches spread over the tp ranks, merged by one "
+    "collective (the output whole on every rank): sub-graph parallelism (SUPER)",
+}
+"""The styles a plan's `tp_plan` may name: the tensor-parallel ones and "branch"."""
+
+
+def split_problem(module: Any, style: str, tp: int) -> str:
+    """Why `module` cannot be split `tp` ways in `style` ('' when it can)."""
+    return branch_problem(module, tp) if style == BRANCH_STYLE else _tensor_split_problem(module, style, tp)
+
+
 """Mesh axes; `Plan.placement` orders them from innermost (consecutive ranks) to outermost."""
 DEGREES = ("dp", "pp", "tp", "sp")
 """The degrees in the order plans and meshes print them."""
@@ -94,8 +112,9 @@ class Plan:
     mixed_precision: Optional[str] = None
     """None, or "bf16": bf16 parameters for compute with fp32 master copies (needs zero_stage >= 1)."""
     tp_plan: Optional[dict[str, str]] = None
-    """Tensor-parallel layers: fnmatch pattern on module names -> style (see TP_STYLES); None: the model's
-    own `tp_plan` attribute (hpdl.models.gpt provides one)."""
+    """Tensor-parallel layers: fnmatch pattern on module names -> style (see PLAN_STYLES: TP_STYLES and
+    "branch"); None: the model's own `tp_plan` attribute (hpdl.models.gpt provides one), else "branch" for
+    every `hpdl.parallel.Branches` block of the model."""
     placement: tuple[str, ...] = AXES
     """Axes from innermost (consecutive ranks, one node) to outermost: the default ("tp", "sp", "dp", "pp")
     keeps tensor and spatial parallelism inside a node and puts pipeline stages across nodes. A placement of
@@ -123,9 +142,9 @@ class Plan:
             if not isinstance(self.tp_plan, Mapping):
                 raise PlanError(f"Plan: tp_plan must map name patterns to styles, got {type(self.tp_plan).__name__}")
             for pattern, style in self.tp_plan.items():
-                if not isinstance(pattern, str) or style not in TP_STYLES:
+                if not isinstance(pattern, str) or style not in PLAN_STYLES:
                     raise PlanError(
-                        f"Plan: tp_plan[{pattern!r}] = {style!r}: the style must be one of {sorted(TP_STYLES)}"
+                        f"Plan: tp_plan[{pattern!r}] = {style!r}: the style must be one of {sorted(PLAN_STYLES)}"
                     )
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
         if self.balance is not None:
@@ -303,11 +322,12 @@ class Plan:
             raise PlanError(f"Plan: tp={self.tp} must divide the number of attention heads ({heads})")
 
     def tp_plan_for(self, model: Any) -> dict[str, str]:
-        """The tensor-parallel plan that applies to `model`: this plan's, else the model's `tp_plan` attribute."""
+        """The tensor-parallel plan that applies to `model`: this plan's, else the model's `tp_plan` attribute,
+        else its `Branches` blocks spread over the tp ranks."""
         if self.tp_plan is not None:
             return dict(self.tp_plan)
         own = getattr(model, "tp_plan", None)
-        return dict(own) if isinstance(own, Mapping) else {}
+        return dict(own) if isinstance(own, Mapping) else branch_plan(model)
 
     # ------------------------------------------------------------------ files
     @classmethod

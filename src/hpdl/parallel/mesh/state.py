@@ -29,6 +29,7 @@ from hpdl.checkpoint.errors import CheckpointError
 from hpdl.checkpoint.format import METADATA, read_metadata, shard_name, write_metadata, write_shard
 from hpdl.checkpoint.reader import ShardReader
 from hpdl.comm.base import Communicator
+from hpdl.parallel.branch.module import branch_parameters
 from hpdl.parallel.data import DataParallel
 from hpdl.parallel.spatial import SpatialParallel
 from hpdl.parallel.tensor import TPShard, tp_shards
@@ -77,6 +78,17 @@ def view_of(model: Any) -> _View:
     raise TypeError(f"expected a model or pipeline returned by hpdl.parallel.build, got {type(model).__name__}")
 
 
+def _refuse_branches(view: _View, what: str) -> None:
+    """Mesh checkpoints take every tensor from tp rank 0 or from its tp slices; a `BranchParallel` block's
+    branches live on one tp rank each, which neither covers: an error, not a checkpoint missing branches."""
+    if branch_parameters(view.plain):
+        raise NotImplementedError(
+            f"{what}: the model has BranchParallel blocks (a plan's 'branch' style), whose branches each live on "
+            "one tp rank; mesh checkpoints do not gather them yet. Save with a plan of tp=1, or each rank's own "
+            "model.state_dict()"
+        )
+
+
 def _same(name: str) -> str:
     return name
 
@@ -103,6 +115,7 @@ def full_state(model: Any, optimizer: Optional[torch.optim.Optimizer], mesh: Any
     Names are the plain model's. Collective over the whole mesh; the result is the same on every rank.
     """
     view = view_of(model)
+    _refuse_branches(view, "full_state")
     shards = tp_shards(view.plain)
     local = {k: v.detach().clone() for k, v in _unsharded(view).items()}
     if _is_zero(view.wrapper):  # the fp32 masters (stage 3: the parameters exist only as shards)
@@ -191,6 +204,7 @@ def load_state(model: Any, optimizer: Optional[torch.optim.Optimizer], state: di
     """Load a `full_state` result into a model (and optimizer) built by `build` on any mesh; no communication
     except ZeRO's republishing of parameters (collective over its dp group)."""
     view = view_of(model)
+    _refuse_branches(view, "load_state")
     shards = tp_shards(view.plain)
     full_model = state["model"]
     cut: dict[str, torch.Tensor] = {}
@@ -273,6 +287,7 @@ def save(path: str, model: Any, optimizer: Optional[torch.optim.Optimizer], mesh
     ZeRO model.
     """
     view = view_of(model)
+    _refuse_branches(view, "save")
     shards = tp_shards(view.plain)
     params = dict(view.plain.named_parameters())
     model_local, opt_local = _local_tensors(view, optimizer, mesh)
@@ -366,6 +381,7 @@ def load(path: str, model: Any, optimizer: Optional[torch.optim.Optimizer] = Non
     reader = ShardReader(path)
     try:
         view = view_of(model)
+        _refuse_branches(view, "load")
         names = set(reader.names)
         wanted = [view.logical(n) for n in view.plain.state_dict()]
         missing = [n for n in wanted if f"model/{n}" not in names]
