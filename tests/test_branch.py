@@ -19,24 +19,9 @@ import torch
 from torch import nn
 
 from hpdl.parallel import DataParallel, Pipeline
-from hpdl.parallel.branch import BranchParallel, assign
+from hpdl.parallel.branch import Branches, BranchParallel, assign
 
 TOL, STEPS, ROWS = 1e-10, 5, 4
-
-
-class Local(nn.Module):
-    """The reference: every branch in one process, merged by torch itself."""
-
-    def __init__(self, branches, merge, dim=1):
-        super().__init__()
-        self.branches, self.merge, self.dim = nn.ModuleList(branches), merge, dim
-
-    def forward(self, x):
-        outs = [b(x) for b in self.branches]
-        if self.merge == "concat":
-            return torch.cat(outs, self.dim)
-        total = torch.stack(outs).sum(0)
-        return total / len(outs) if self.merge == "mean" else total
 
 
 class Residual(nn.Module):
@@ -92,7 +77,7 @@ def make(kind: str, comm=None, *, sample: bool = False) -> nn.Sequential:
     for module in (*stem, *branches, *head):
         module.double()
     if comm is None:
-        block: nn.Module = Local(branches, merge, dim)
+        block: nn.Module = Branches(branches, merge, dim=dim)  # the reference: every branch in one process
     else:
         probe = torch.randn(*shape, dtype=torch.float64) if sample else None
         block = BranchParallel(nn.ModuleList(branches), merge, comm, dim=dim, sample=probe)
