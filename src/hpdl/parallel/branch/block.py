@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
-from hpdl.parallel.branch.module import MERGES, BranchParallel, check_independent
+from hpdl.parallel.branch.module import BranchParallel, checked_branches
 
 __all__ = ["Branches", "BRANCH_STYLE", "branch_plan", "branch_problem", "spread"]
 
@@ -33,13 +33,7 @@ class Branches(nn.Module):
 
     def __init__(self, branches: Union[nn.ModuleList, Sequence[nn.Module]], merge: str, *, dim: int = 1):
         super().__init__()
-        if merge not in MERGES:
-            raise ValueError(f"merge={merge!r}; choose one of {', '.join(map(repr, MERGES))}")
-        branches = list(branches)
-        if not branches or not all(isinstance(b, nn.Module) for b in branches):
-            raise TypeError("Branches needs a non-empty nn.ModuleList (or list) of branch modules")
-        check_independent(branches)
-        self.branches = nn.ModuleList(branches)
+        self.branches = nn.ModuleList(checked_branches(branches, merge, "Branches"))
         self.merge, self.dim = merge, dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

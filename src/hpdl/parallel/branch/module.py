@@ -48,12 +48,7 @@ class BranchParallel(nn.Module):
         sample: Optional[torch.Tensor] = None,
     ):
         super().__init__()
-        if merge not in MERGES:
-            raise ValueError(f"merge={merge!r}; choose one of {', '.join(map(repr, MERGES))}")
-        branches = list(branches)
-        if not branches or not all(isinstance(b, nn.Module) for b in branches):
-            raise TypeError("BranchParallel needs a non-empty nn.ModuleList (or list) of branch modules")
-        check_independent(branches)
+        branches = checked_branches(branches, merge, "BranchParallel")
         self.merge, self.dim, self.comm = merge, dim, comm
         self.count = len(branches)
         self.costs: list[float] = self._costs(branches, sample, placement)
@@ -142,6 +137,17 @@ def branch_parameters(model: nn.Module) -> list[str]:
         if isinstance(module, BranchParallel)
         for pname, _ in module.branches.named_parameters(prefix="branches")
     ]
+
+
+def checked_branches(branches: Union[nn.ModuleList, Sequence[nn.Module]], merge: str, what: str) -> list[nn.Module]:
+    """The branches as a list, once `merge` is known and they are a non-empty list of independent modules."""
+    if merge not in MERGES:
+        raise ValueError(f"merge={merge!r}; choose one of {', '.join(map(repr, MERGES))}")
+    branches = list(branches)
+    if not branches or not all(isinstance(b, nn.Module) for b in branches):
+        raise TypeError(f"{what} needs a non-empty nn.ModuleList (or list) of branch modules")
+    check_independent(branches)
+    return branches
 
 
 def check_independent(branches: Sequence[nn.Module]) -> None:
