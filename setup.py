@@ -58,6 +58,7 @@ setup(
     ext_modules=[
         # The plain C module first: the MPI one changes the compiler's executables.
         Extension("hpdl.comm._copies", ["src/hpdl/comm/_copies.c"], optional=True, extra_compile_args=["-O2"]),
+        Extension("hpdl.comm._flags", ["src/hpdl/comm/_flags.c"], optional=True, extra_compile_args=["-O2"]),
         Extension(MPI_MODULE, ["src/hpdl/comm/_mpi_fast.c"], optional=True),
     ],
     cmdclass={"build_ext": BuildOptional},

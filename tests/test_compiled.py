@@ -25,8 +25,10 @@ SIZES = (0, 1, 7, 1000)
 
 
 def which_calls(comm):
+    from hpdl.comm import fusion, shm
+
     paths = [getattr(comm, name).__qualname__ for name in ("allreduce", "allgather", "reduce_scatter", "broadcast")]
-    return comm.calls, paths
+    return comm.calls, paths, [module and module.__name__ for module in (fusion._copies, shm._flags)]
 
 
 def _implementations():
@@ -151,9 +153,10 @@ def test_the_install_built_the_compiled_calls(ranks):
     """`make install` has mpich's mpicc beside the venv's Python: a build that silently fell back would pass every
     other test, slower."""
     assert (Path(sys.executable).parent / "mpicc").exists(), "the dev environment installs mpich (requirements-dev)"
-    for calls, paths in ranks("mpi", 2).run(which_calls):
+    for calls, paths, modules in ranks("mpi", 2).run(which_calls):
         assert calls == "compiled (hpdl.comm._mpi_fast)"
         assert paths == ["Fast.allreduce", "Fast.allgather", "Fast.reduce_scatter", "Fast.broadcast"]
+        assert modules == ["hpdl.comm._copies", "hpdl.comm._flags"]  # fusion's copies, shared memory's flags
 
 
 def bookkeeping(comm):
@@ -220,6 +223,8 @@ def test_the_communicator_runs_on_mpi4py_calls_when_told(ranks):
         assert torch.equal(block, (torch.arange(4.0) * 2 + 1)[2 * rank : 2 * rank + 2])
         assert torch.equal(root, x[1])
         assert got is None if rank == 0 else torch.equal(got, x[0])
+    for _, _, modules in ranks("mpi", 2, env={"HPDL_COMPILED": "0"}).run(which_calls):
+        assert modules == [None, None]  # fusion copies through torch, shared-memory flags through MPI_Win_sync
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])

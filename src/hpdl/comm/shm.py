@@ -23,15 +23,17 @@ local rank drives its own slice over the network in parallel.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import time
+from array import array
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from hpdl.comm.env import env_number
+from hpdl.comm.env import env_flag, env_number
 from hpdl.errors import CommTimeoutError
 
 __all__: list[str] = []
@@ -74,6 +76,16 @@ DEFAULT_THRESHOLDS = {
 }
 
 _yield = getattr(os, "sched_yield", lambda: None)
+_FLAG_SPINS = 4096
+"""Looks at the flags the compiled wait takes before the bounded Python loop (deadline, timeout report) takes
+over: a fraction of a millisecond, more than two ranks in step need."""
+
+try:
+    if not env_flag("HPDL_COMPILED", True):
+        raise ImportError("HPDL_COMPILED=0")
+    _flags: Any = importlib.import_module("hpdl.comm._flags")  # (a C module: no import edge to hpdl.comm)
+except ImportError:  # not built (no C compiler at install): the flags are read through torch and MPI_Win_sync
+    _flags = None
 _OUTLIVING: list[Any] = []
 """Windows of shared buffers, kept until the process exits."""
 _FLAG_STRIDE = 8  # int64 per rank: one 64-byte cache line each, so flags never share a line
@@ -172,7 +184,12 @@ class NodeCollectives:
         self._flag_win.Lock_all()
         # Per rank, one cache line: [phase, data's shared buffer (-1: staging), element offset, ...].
         self._descriptors = [view.view(torch.int64) for view in _views(self._flag_win, self.local_size)]
+        self._words = [memoryview(d.numpy()).cast("B").cast("q") for d in self._descriptors]  # type: ignore[arg-type]
+        """The same descriptors as memoryviews: a word read or written in a tenth of a tensor element's time."""
         self._flags = [descriptor[0:1] for descriptor in self._descriptors]
+        self._flag_table = array("q", [flag.data_ptr() for flag in self._flags]).tobytes()
+        """The flags' addresses, for the compiled wait (`_flags.c`)."""
+        self._my_flag = self._flags[self.local_rank].data_ptr()
         self._descriptors[self.local_rank].zero_()
         self._stage_win = MPI.Win.Allocate_shared(self.segment, 64, comm=node)
         self._stage_win.Lock_all()
@@ -186,8 +203,13 @@ class NodeCollectives:
         """Flag barrier: publish this rank's phase, wait (bounded) until every rank of the node reached it."""
         self._phase += 1
         mark = self._phase
-        self._stage_win.Sync()  # data written before the flag is visible before the flag
-        self._flags[self.local_rank].fill_(mark)
+        if _flags is not None:  # the same steps compiled: fence + flag, then a few thousand looks at the flags
+            _flags.post(self._my_flag, mark)
+            if _flags.wait(self._flag_table, mark, _FLAG_SPINS):
+                return
+        else:
+            self._stage_win.Sync()  # data written before the flag is visible before the flag
+            self._flags[self.local_rank].fill_(mark)
         self._flag_win.Sync()
         flags = self._flags
         deadline = 0.0
@@ -256,22 +278,22 @@ class NodeCollectives:
     def _publish(self, t: torch.Tensor) -> bool:
         """Say where this rank's data lives for the coming operation; True when it is zero-copy."""
         index, offset = self._locate(t)
-        self._descriptors[self.local_rank][1] = index
-        self._descriptors[self.local_rank][2] = offset
+        mine = self._words[self.local_rank]
+        mine[1], mine[2] = index, offset
         return index >= 0
 
     def all_zero_copy(self, t: torch.Tensor) -> bool:
         """Whether every rank's `t` lives in a shared buffer (one flag barrier; the same answer everywhere)."""
         self._publish(t)
         self._sync("shared-memory path agreement")
-        return all(int(descriptor[1]) >= 0 for descriptor in self._descriptors)
+        return all(words[1] >= 0 for words in self._words)
 
     def _sources(self, dtype: torch.dtype, start: int, count: int) -> list[torch.Tensor]:
         """Every rank's data for elements [start, start + count) of the operation (read after the first sync)."""
         sources = []
         itemsize = torch.empty(0, dtype=dtype).element_size()
         for rank in range(self.local_size):
-            index, offset = int(self._descriptors[rank][1]), int(self._descriptors[rank][2])
+            index, offset = self._words[rank][1], self._words[rank][2]
             if index < 0:
                 sources.append(self._stage[rank][: count * itemsize].view(dtype))
             else:
@@ -345,7 +367,7 @@ class NodeCollectives:
 
     def _block_part(self, rank: int, dtype: torch.dtype, block: int, width: int, start: int) -> torch.Tensor:
         """Rank `rank`'s copy of this rank's block, elements [start, start + width) of it."""
-        index, offset = int(self._descriptors[rank][1]), int(self._descriptors[rank][2])
+        index, offset = self._words[rank][1], self._words[rank][2]
         if index < 0:
             staged = self._stage[rank][: width * self.local_size * torch.empty(0, dtype=dtype).element_size()]
             return staged.view(dtype).view(self.local_size, width)[self.local_rank]
