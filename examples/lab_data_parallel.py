@@ -62,8 +62,9 @@ def main() -> None:
         local_loss = loss_fn(model(x), y)
         local_loss.backward()
     local = [p.grad.clone() for p in model.parameters()]
+    loss_value = float(local_loss.detach())
     show(comm, "3. Gradients of each rank's own batch (no_sync: not communicated)",
-         f"loss {float(local_loss.detach()):.4f} on {BATCH} samples, gradient checksum {checksum(local):+.6f}")  # fmt: skip
+         f"loss {loss_value:.4f} on {BATCH} samples, gradient checksum {checksum(local):+.6f}")  # fmt: skip
 
     # 4. With the allreduce: when backward returns, every rank holds the mean gradient.
     model.zero_grad()
