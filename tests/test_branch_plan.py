@@ -18,7 +18,8 @@ from torch import nn
 from hpdl.parallel.branch import Branches
 from hpdl.plan import Cluster, Workload, search
 from hpdl.plan.cluster import GB, Link
-from hpdl.plan.profile import measure
+from hpdl.plan.profile import ProfileError, measure
+from hpdl.plan.ranking import candidates
 
 STEPS, TOL = 5, 1e-10
 
@@ -76,6 +77,17 @@ def test_the_planner_profiles_a_branches_block_and_spreads_it_where_data_paralle
         Plan(tp=8).validate(8, model)
     with pytest.raises(PlanError, match="spreads an hpdl.parallel.branch.Branches block; this is a Conv2d"):
         Plan(tp=2, tp_plan={"0": "branch"}).validate(2, model)
+    # found in review: a layer split over tp inside a spread block mixed other ranks' branches (silently)
+    inside = {"2": "branch", "2.branches.0": "filter_gather"}
+    with pytest.raises(PlanError, match=r"splits 2.branches.0 inside a 'branch' block"):
+        Plan(tp=2, tp_plan=inside).validate(2, model)
+    with pytest.raises(ProfileError, match=r"splits 2.branches.0 inside a 'branch' block"):
+        measure(model, lambda b: torch.randn(b, 2, 32, 32), batch=2, tp_plan=inside)
+    # and ZeRO's norm and checkpoints would count only tp rank 0's branches: refused, and never proposed
+    with pytest.raises(PlanError, match="with zero_stage=1"):
+        Plan(tp=2, zero_stage=1).validate(2, model)
+    proposed = list(candidates(profile, cluster(), Workload(batch=2, precision="fp32")))
+    assert not [c for c in proposed if c.tp > 1 and c.zero] and [c for c in proposed if c.tp > 1]
 
 
 def reference(batches: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[float]]:

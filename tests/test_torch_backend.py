@@ -51,7 +51,8 @@ def test_async_point_to_point_and_objects_equal_gloo(pool):
 
 
 def test_a_blocking_call_runs_to_its_end_before_it_returns(pool):
-    """torch >= 2.6 tells the backend when the caller waits at once (asyncOp=False): the work comes back complete."""
+    """torch >= 2.6 tells the backend when the caller waits at once (asyncOp=False): an operation that finishes
+    within the tight loop's bound comes back complete, without a pass through the progress thread."""
     k = pool.nprocs
     total, last = float(k * (k + 1) // 2), float(k)
     for result in pool.run(bodies.blocking_calls_complete_on_return):
@@ -59,6 +60,15 @@ def test_a_blocking_call_runs_to_its_end_before_it_returns(pool):
         assert result[("blocking", "broadcast")] == (True, last, last)
         assert result[("async", "allreduce")] == (None, total, total)
         assert result[("async", "broadcast")] == (None, last, last)
+
+
+def test_a_blocking_call_leaves_other_threads_free_to_issue_theirs(pool):
+    """Found in review: a blocking all_reduce that held the backend's lock for the whole call kept rank 0's other
+    thread from sending what rank 1 needed first; both ranks then timed out."""
+    results = pool.run(bodies.blocking_call_beside_another_thread, timeout=60)
+    for rank, (reduced, received) in enumerate(results):
+        assert reduced == [float(pool.nprocs)] * 4
+        assert received == ([7.0] * 4 if rank == 1 else None)
 
 
 def test_functional_collectives_equal_gloo(pool):

@@ -352,21 +352,55 @@ def finishes_early(comm: Any) -> tuple:
 
 def blocking_calls_complete_on_return(comm: Any) -> dict:
     """The backend's process group called as torch calls it, asyncOp False and True, on 4 MiB: whether the
-    returned work was complete before anyone waited, and the results (every rank's rank + 1, summed)."""
+    returned work was complete before anyone waited, and the results (every rank's rank + 1, summed). The
+    blocking call's tight loop may last 5 s here (10 ms by default, which 3 ranks on 2 busy cores can pass)."""
+    from hpdl.interop.torch_backend import progress
+
     g = groups()["hpdl"]
     out = {}
-    for label, async_op in (("blocking", False), ("async", True)):
-        for name in ("allreduce", "broadcast"):
-            x = torch.full((1 << 20,), float(dist.get_rank() + 1))
-            if name == "allreduce":
-                opts = dist.AllreduceOptions()
-                opts.reduceOp = dist.ReduceOp.SUM
-            else:
-                opts = dist.BroadcastOptions()
-                opts.rootRank = dist.get_world_size() - 1
-            opts.asyncOp = async_op
-            work = getattr(g, name)([x], opts)
-            complete = work.is_completed() if not async_op else None  # async: may or may not be, both are right
-            work.wait()
-            out[(label, name)] = (complete, float(x.min()), float(x.max()))
+    alone, progress.ALONE_SECONDS = progress.ALONE_SECONDS, 5.0
+    try:
+        for label, async_op in (("blocking", False), ("async", True)):
+            for name in ("allreduce", "broadcast"):
+                x = torch.full((1 << 20,), float(dist.get_rank() + 1))
+                if name == "allreduce":
+                    opts = dist.AllreduceOptions()
+                    opts.reduceOp = dist.ReduceOp.SUM
+                else:
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = dist.get_world_size() - 1
+                opts.asyncOp = async_op
+                work = getattr(g, name)([x], opts)
+                complete = work.is_completed() if not async_op else None  # async: may or may not be, both are right
+                work.wait()
+                out[(label, name)] = (complete, float(x.min()), float(x.max()))
+    finally:
+        progress.ALONE_SECONDS = alone
     return out
+
+
+def blocking_call_beside_another_thread(comm: Any) -> tuple:
+    """Rank 0's main thread waits in a blocking all_reduce while its second thread sends what rank 1 must
+    receive before rank 1 joins the all_reduce: the blocking call must not keep the other thread out."""
+    import threading
+    import time
+
+    group = dist.distributed_c10d._get_default_group()
+    groups()
+    timeout, group.comm.timeout = group.comm.timeout, 20.0
+    try:
+        x, got = torch.ones(4), None
+        if dist.get_rank() == 0:
+            sender = threading.Thread(target=lambda: (time.sleep(0.3), dist.send(torch.full((4,), 7.0), dst=1)))
+            sender.start()
+            dist.all_reduce(x)
+            sender.join()
+        elif dist.get_rank() == 1:
+            got = torch.empty(4)
+            dist.recv(got, src=0)
+            dist.all_reduce(x)
+        else:
+            dist.all_reduce(x)
+        return x.tolist(), None if got is None else got.tolist()
+    finally:
+        group.comm.timeout = timeout

@@ -50,7 +50,8 @@ def counted_reduce_scatter(library: str) -> tuple[int, int]:
     recursive halving; the blocking call changes to pairwise exchange at 512 KiB), where
     MPI_Ireduce_scatter took 0.9-1.4x; every other size, and every other operation's nonblocking call, was
     within a few percent of the blocking one. Other libraries: no window unless set.
-    HPDL_COUNTED_REDUCE_SCATTER=FROM:TO (bytes; 0: none) sets it.
+    HPDL_COUNTED_REDUCE_SCATTER=FROM:TO (bytes; 0: none) sets it, the same on every rank. The bytes are those MPI
+    reduces (16-bit floats travel as float32: twice the input).
     """
     name = "HPDL_COUNTED_REDUCE_SCATTER"
     text = os.environ.get(name, "").strip()

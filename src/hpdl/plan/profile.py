@@ -80,6 +80,8 @@ class Layer:
     rows of its convolutions and pools (backward sends as many gradient bytes back)."""
     halo_messages: int = 0
     """Convolutions and pools of a spatial layer that exchange halos (messages per boundary and direction)."""
+    tp_branches: int = 0
+    """Of a unit that holds a `Branches` block spread over tp (the style "branch"), its branch count; 0: none."""
     spatial_rows: int = 0
     """Of a spatial layer, the fewest rows along the split dimension of its input and output: each slab needs
     at least a row of each."""
@@ -142,6 +144,11 @@ class ModelProfile:
         """Largest spatial degree every spatial layer allows (a row per slab); 0: no layer runs on slabs."""
         rows = [layer.spatial_rows for layer in self.layers if layer.spatial]
         return min(rows) if rows else 0
+
+    @property
+    def branched(self) -> bool:
+        """Whether tensor parallelism spreads `Branches` blocks (which a plan does not combine with ZeRO)."""
+        return any(layer.tp_branches for layer in self.layers)
 
     def tp_limit(self) -> int:
         """Largest tensor-parallel degree every layer allows (0: none set)."""
@@ -229,11 +236,18 @@ def measure(
 
     if not isinstance(model, nn.Module):
         raise ProfileError(f"measure() profiles an nn.Module, got {type(model).__name__}")
-    if tp_plan is None:  # the model's own, else its Branches blocks (what hpdl.parallel.Plan does)
-        from hpdl.parallel.branch.block import branch_plan
+    from hpdl.parallel.branch.block import branch_plan, nested_in_branches
 
-        tp_plan = getattr(model, "tp_plan", None) or branch_plan(model)
+    if tp_plan is None:  # the model's own, else its Branches blocks (what hpdl.parallel.Plan does)
+        own = getattr(model, "tp_plan", None)
+        tp_plan = own if own is not None else branch_plan(model)
     tp_plan = dict(tp_plan)
+    nested = nested_in_branches(model, tp_plan)
+    if nested:
+        raise ProfileError(
+            f"model {name!r}: tp_plan splits {', '.join(nested[:3])} inside a 'branch' block (each tp rank holds "
+            "other branches there); leave the branches whole"
+        )
     config = getattr(model, "config", None)
     heads = getattr(config, "n_head", 0) if isinstance(getattr(config, "n_head", 0), int) else 0
     first = next(iter(model.parameters()), None)
@@ -337,6 +351,7 @@ def measure(
                 tp_allreduce_fwd=sum(style in ("row", "vocab", "branch") for _, style in split),
                 tp_allreduce_bwd=sum(style in ("column", "qkv", "column_gather", "branch") for _, style in split),
                 tp_max=min(branch_counts + ([heads] if heads else [])) if branch_counts else (heads if tp_plan else 1),
+                tp_branches=min(branch_counts, default=0),
                 ops=ops[i],
                 tensors=len(unit_params),
             )

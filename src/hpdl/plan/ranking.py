@@ -67,6 +67,8 @@ def candidates(
             for zero in stages:
                 if zero == 3 and (pp > 1 or tp > 1):
                     continue  # Plan: ZeRO-3 composes with neither pipelines nor tensor parallelism (yet)
+                if zero and tp > 1 and profile.branched:
+                    continue  # Plan: branch parallelism does not combine with ZeRO (yet)
                 if pp == 1:
                     yield Candidate(dp, 1, tp, zero, 1, "1f1b", "never")
                     continue

@@ -187,20 +187,33 @@ class Progress:
             handle._complete(None, error)
         return handle
 
-    def run_now(self, comm: Communicator, call: Callable[[], Any], handle: Handle) -> bool:
-        """Run a blocking operation to its end on this thread (the communicator's own bounded wait) and complete
-        `handle`: for a call torch issued with `asyncOp=False`, whose caller waits at once. The blocking fast
-        path tests MPI with the GIL released, where a pass through `submit_one`'s loop costs microseconds of
-        Python per test (a 64 KiB `dist.all_reduce` took 2x the direct call). False, running nothing, when an
-        operation is in flight or a future's callback runs: then the ordering rules of `submit` apply."""
+    def run_now(self, comm: Communicator, begin: Callable[[], Any], handle: Handle) -> Handle:
+        """`submit_one` for a call torch issued with `asyncOp=False` (its caller waits at once): the operation is
+        tested in a tight loop under the lock for up to ALONE_SECONDS, the bound `wait()` holds the lock for
+        anyway, and completed here when it finishes in that time; no pass through the progress machinery (a
+        64 KiB `dist.all_reduce` took 2x the direct call through it). Longer, it is tracked like any other.
+
+        The lock is never held for the whole operation: another thread of the process may have to issue the
+        operation a peer needs before that peer can join this one."""
         with self._cond:
             previous = self._last_collective.get(id(comm))
             if self._inflight or self._callback_threads or (previous is not None and not previous._done):
-                return False
-            call()  # its errors (arguments, a timeout naming the missing ranks) raise to the caller, who waits
-            self._last_collective[id(comm)] = handle
-        handle._complete(None, None)
-        return True
+                general = True
+            else:
+                general, error = False, None
+                work = begin()  # errors in the arguments raise here, as in submit
+                self._last_collective[id(comm)] = handle
+                try:
+                    done = poll_until(work.is_completed, time.perf_counter() + ALONE_SECONDS)
+                except BaseException as exc:  # the operation's own failure goes to the waiting side
+                    done, error = True, exc
+                if not done:
+                    self._track(_Pending([work], None, handle, comm, False))
+        if general:
+            return self.submit(comm, lambda: ([begin()], None), handle)
+        if done:
+            handle._complete(None, error)
+        return handle
 
     def _track(self, pending: _Pending) -> None:
         """Hand an operation still in flight to the progress thread (under the lock)."""

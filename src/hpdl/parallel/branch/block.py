@@ -14,7 +14,8 @@ change what the model computes.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+import fnmatch
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from torch import nn
 from hpdl.comm.base import Communicator
 from hpdl.parallel.branch.module import BranchParallel, checked_branches
 
-__all__ = ["Branches", "BRANCH_STYLE", "branch_plan", "branch_problem", "spread"]
+__all__ = ["Branches", "BRANCH_STYLE", "branch_plan", "branch_problem", "nested_in_branches", "spread"]
 
 BRANCH_STYLE = "branch"
 """The `tp_plan` style of a `Branches` block: its branches on the tp ranks, merged by one collective."""
@@ -66,6 +67,19 @@ def branch_plan(model: nn.Module) -> dict[str, str]:
         if isinstance(module, Branches) and name and not any(name.startswith(f"{outer}.") for outer in plan):
             plan[name] = BRANCH_STYLE
     return plan
+
+
+def nested_in_branches(model: nn.Module, tp_plan: Mapping[str, str]) -> list[str]:
+    """Modules another style of `tp_plan` would split inside (or as) a block its "branch" style spreads: each
+    tp rank holds other branches there, so a layer of one cannot also be split over the same ranks."""
+    names = [name for name, _ in model.named_modules() if name]
+
+    def named(branch: bool) -> list[str]:
+        patterns = [p for p, style in tp_plan.items() if (style == BRANCH_STYLE) == branch]
+        return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+    blocks = named(True)
+    return [name for name in named(False) if any(name == b or name.startswith(f"{b}.") for b in blocks)]
 
 
 def spread(block: Branches, comm: Communicator) -> BranchParallel:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from hpdl.parallel.branch.block import BRANCH_STYLE, branch_plan, branch_problem
+from hpdl.parallel.branch.block import BRANCH_STYLE, branch_plan, branch_problem, nested_in_branches
 from hpdl.parallel.tensor.styles import TP_STYLES
 from hpdl.parallel.tensor.styles import split_problem as _tensor_split_problem
 
@@ -317,6 +317,17 @@ class Plan:
                 problem = split_problem(names[name], style, self.tp)
                 if problem:
                     raise PlanError(f"Plan: tp={self.tp} cannot split {name} ({style}): {problem}")
+        nested = nested_in_branches(model, patterns)
+        if nested:
+            raise PlanError(
+                f"Plan: tp_plan splits {', '.join(nested[:3])} inside a 'branch' block, whose branches each live on "
+                "one tp rank: a layer of a branch cannot also be split over the tp ranks; leave the branches whole"
+            )
+        if self.zero_stage and BRANCH_STYLE in patterns.values():
+            raise PlanError(
+                f"Plan: branch parallelism ('branch' in tp_plan) with zero_stage={self.zero_stage}: ZeRO's gradient "
+                "norm and checkpoints do not know that each tp rank holds other branches yet; use zero_stage=0"
+            )
         heads = _heads(model)
         if heads is not None and heads % self.tp:
             raise PlanError(f"Plan: tp={self.tp} must divide the number of attention heads ({heads})")
