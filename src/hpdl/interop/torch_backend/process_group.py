@@ -69,11 +69,10 @@ class HpdlProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1:
             t, op = tensors[0], ops.plain_op(opts.reduceOp)
             if op is not None and t.is_cpu and t.is_contiguous():
-                comm = self.comm
-                begin = lambda: comm.allreduce(t, op, async_op=True)  # noqa: E731
-                if not getattr(opts, "asyncOp", True):  # (torch >= 2.6 says whether the caller waits at once)
-                    return progress.run_now(comm, begin, HpdlWork(tensors))
-                return progress.submit_one(comm, begin, HpdlWork(tensors), t.nbytes)
+                comm, blocking = self.comm, not getattr(opts, "asyncOp", True)  # (said by torch >= 2.6)
+                return progress.submit_one(
+                    comm, lambda: comm.allreduce(t, op, async_op=True), HpdlWork(tensors), t.nbytes, blocking=blocking
+                )
         return self._submit(lambda: ops.allreduce(self.comm, tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> HpdlWork:
@@ -87,11 +86,10 @@ class HpdlProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list, opts: Any = None) -> HpdlWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
         if len(tensors) == 1 and tensors[0].is_cpu and tensors[0].is_contiguous():
-            t, root, comm = tensors[0], opts.rootRank, self.comm
-            begin = lambda: comm.broadcast(t, root, async_op=True)  # noqa: E731
-            if not getattr(opts, "asyncOp", True):
-                return progress.run_now(comm, begin, HpdlWork(tensors))
-            return progress.submit_one(comm, begin, HpdlWork(tensors), t.nbytes)
+            t, root, comm, blocking = tensors[0], opts.rootRank, self.comm, not getattr(opts, "asyncOp", True)
+            return progress.submit_one(
+                comm, lambda: comm.broadcast(t, root, async_op=True), HpdlWork(tensors), t.nbytes, blocking=blocking
+            )
         return self._submit(lambda: ops.broadcast(self.comm, tensors, opts), tensors)
 
     def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> HpdlWork:

@@ -159,12 +159,19 @@ class Progress:
             self.wait(handle)
         return handle
 
-    def submit_one(self, comm: Communicator, begin: Callable[[], Any], handle: Handle, nbytes: int) -> Handle:
+    def submit_one(
+        self, comm: Communicator, begin: Callable[[], Any], handle: Handle, nbytes: int, *, blocking: bool = False
+    ) -> Handle:
         """`submit` for one hpdl operation with no finishing step (a single contiguous tensor in place): the small
         collectives of torch code (a loss, a metric, a flag, DTensor's) with a quarter of the bookkeeping.
 
         Taken only when nothing is in flight and no future's callback runs; otherwise, and for the ordering
-        rules that then apply, it is `submit`.
+        rules that then apply, it is `submit`. After the start it is tested in a tight loop under the lock: up
+        to 64 KiB for QUICK_SPIN_SECONDS, and for up to ALONE_SECONDS (the bound `wait()` holds the lock for
+        anyway) when `blocking` (torch said `asyncOp=False`: the caller waits at once), so that a blocking
+        call that finishes in that time needs no pass through the progress machinery (a 64 KiB
+        `dist.all_reduce` took 2x the direct call through it). Never longer: another thread of the process
+        may have to issue the operation a peer needs before that peer can join this one.
         """
         general = done = False
         error: Optional[BaseException] = None
@@ -176,35 +183,10 @@ class Progress:
                 work = begin()  # errors in the arguments raise here, as in submit
                 self._last_collective[id(comm)] = handle
                 try:
-                    done = work.is_completed() or (nbytes <= QUICK_BYTES and _spin(work.is_completed))
-                except BaseException as exc:  # the operation's own failure goes to the waiting side
-                    done, error = True, exc
-                if not done:
-                    self._track(_Pending([work], None, handle, comm, False))
-        if general:
-            return self.submit(comm, lambda: ([begin()], None), handle)
-        if done:
-            handle._complete(None, error)
-        return handle
-
-    def run_now(self, comm: Communicator, begin: Callable[[], Any], handle: Handle) -> Handle:
-        """`submit_one` for a call torch issued with `asyncOp=False` (its caller waits at once): the operation is
-        tested in a tight loop under the lock for up to ALONE_SECONDS, the bound `wait()` holds the lock for
-        anyway, and completed here when it finishes in that time; no pass through the progress machinery (a
-        64 KiB `dist.all_reduce` took 2x the direct call through it). Longer, it is tracked like any other.
-
-        The lock is never held for the whole operation: another thread of the process may have to issue the
-        operation a peer needs before that peer can join this one."""
-        with self._cond:
-            previous = self._last_collective.get(id(comm))
-            if self._inflight or self._callback_threads or (previous is not None and not previous._done):
-                general = True
-            else:
-                general, error = False, None
-                work = begin()  # errors in the arguments raise here, as in submit
-                self._last_collective[id(comm)] = handle
-                try:
-                    done = poll_until(work.is_completed, time.perf_counter() + ALONE_SECONDS)
+                    seconds = ALONE_SECONDS if blocking else QUICK_SPIN_SECONDS if nbytes <= QUICK_BYTES else 0.0
+                    done = work.is_completed() or (
+                        seconds > 0 and poll_until(work.is_completed, time.perf_counter() + seconds)
+                    )
                 except BaseException as exc:  # the operation's own failure goes to the waiting side
                     done, error = True, exc
                 if not done:
@@ -369,15 +351,6 @@ class Progress:
                 time.sleep(POLL_SECONDS)
             else:
                 _yield()
-
-
-def _spin(test: Callable[[], bool]) -> bool:
-    """Test in a tight loop for up to QUICK_SPIN_SECONDS."""
-    deadline = time.perf_counter() + QUICK_SPIN_SECONDS
-    while time.perf_counter() < deadline:
-        if test():
-            return True
-    return False
 
 
 class OtherThreads:
