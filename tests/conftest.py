@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HPDL_TUNE_FILE", "off")  # the built-in thresholds: a developer's `hpdl tune` file is not read
 
 from rankpool import RankError, RankPool  # noqa: E402
 
@@ -46,6 +47,7 @@ class SelfPool:
 SHARED_POOLS = {
     "test_collectives.py": "shared-memory",
     "test_shared_memory.py": "shared-memory",
+    "test_tune.py": "shared-memory",
     "test_torch_backend.py": "torch-backend",
     "test_torch_backend_training.py": "torch-backend",
 }

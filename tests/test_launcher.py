@@ -114,6 +114,7 @@ def test_info_reports_versions_backends_and_launcher():
     assert info["launcher"]["detected"] == "none" and info["launcher"]["auto backend"] == "self"
     assert "GPU" in info["cuda"]["mpi backend GPU path"]
     assert "THP_MEM_ALLOC_ENABLE" in info["memory"]["torch tensors >= 2 MB on huge pages"]
+    assert "built-in" in info["shm thresholds"] and "hpdl tune" in info["shm thresholds"]  # conftest: file off
     text = subprocess.run(HPDL + ["info"], capture_output=True, text=True, timeout=60).stdout
     assert "mpi library:" in text and "launcher:" in text
 

@@ -12,6 +12,7 @@ __all__ = [
     "CollectiveMismatchError",
     "NotInitializedError",
     "BackendUnavailableError",
+    "TuneFileError",
 ]
 
 
@@ -43,3 +44,7 @@ class NotInitializedError(HpdlError):
 
 class BackendUnavailableError(HpdlError):
     """The requested backend cannot start here; the message says how to get it."""
+
+
+class TuneFileError(HpdlError):
+    """The shared-memory tuning file (`hpdl tune`) exists but cannot be used as written."""

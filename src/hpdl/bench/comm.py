@@ -668,6 +668,7 @@ def configuration(b: Bench) -> dict[str, Any]:
         size_meaning=SIZE_MEANING,
         hpdl_mpi_engine=b.mpi.engine,
         hpdl_mpi_calls=b.mpi.calls,
+        hpdl_shm_thresholds=getattr(b.mpi, "shm_thresholds_source", ""),
         hpdl_torch_engine=b.gloo.engine,
         fusion_tensors=FUSION_TENSORS,
         fusion_tensor_bytes=FUSION_BYTES,

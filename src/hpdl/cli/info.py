@@ -94,12 +94,9 @@ def _mpi_info() -> dict[str, Any]:
     from hpdl.comm import mpi_calls, shm
 
     if shm.enabled():
-        sizes = ", ".join(
-            f"{op} {_size(zero)}/{_size(ordinary)}" for op, (zero, ordinary) in shm.DEFAULT_THRESHOLDS.items()
-        )
         shared = (
-            f"on (HPDL_SHM): CPU collectives from (shared buffer/ordinary tensor) {sizes}; hierarchical allreduce "
-            "across nodes; plain MPI when a node holds one rank or the window cannot be allocated"
+            "on (HPDL_SHM): CPU collectives inside a node above the thresholds below; hierarchical allreduce across "
+            "nodes; plain MPI when a node holds one rank or the window cannot be allocated"
         )
     else:
         shared = "off (HPDL_SHM=0): plain MPI"
@@ -109,14 +106,35 @@ def _mpi_info() -> dict[str, Any]:
         "mpiexec": mpiexec,
         "mpi cuda-aware": cuda_aware(),
         "mpi shared-memory collectives": shared,
+        **_thresholds(library_version()),
         "mpi fast-path calls": mpi_calls.select()[1],
     }
 
 
+def _thresholds(mpi: str) -> dict[str, str]:
+    """The shared-memory thresholds (shared buffer / ordinary tensor) per ranks per node, and their source."""
+    from hpdl.comm import tuning
+    from hpdl.errors import TuneFileError
+
+    where = tuning.path()
+    try:
+        found = tuning.read(where) if where else None
+    except TuneFileError as exc:
+        return {"shm thresholds": f"unusable tuning file: {exc}"}
+    out = {}
+    for local in sorted(found.per_node) if found else [0]:
+        chosen, source = tuning.thresholds_for(found, local, mpi)
+        sizes = ", ".join(f"{op} {_size(a)}/{_size(b)}" for op, (a, b) in chosen.items())
+        label = f"shm thresholds, {local} ranks per node" if local else "shm thresholds"
+        out[label] = f"{sizes} ({source}{'' if found else '; measure this machine with `hpdl tune`'})"
+    return out
+
+
 def _size(nbytes: int) -> str:
+    from hpdl.bench.report import format_bytes
     from hpdl.comm import shm
 
-    return "never" if nbytes >= shm.NEVER else f"{nbytes >> 20} MiB"
+    return "never" if nbytes >= shm.NEVER else format_bytes(nbytes)
 
 
 def _gpu_path(aware: Any) -> str:

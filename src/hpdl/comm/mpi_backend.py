@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from hpdl.comm import agreement, mpi_calls, shm
+from hpdl.comm import tuning as tuning_file
 from hpdl.comm.base import Communicator, is_block_of
 from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
@@ -168,7 +169,17 @@ class MpiCommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, mpi_comm: Any, *, timeout: float, debug: bool):
+    def __init__(
+        self,
+        mpi_comm: Any,
+        *,
+        timeout: float,
+        debug: bool,
+        tuning: Optional[tuning_file.Tuning] = None,
+        read_tuning: bool = False,
+    ):
+        """`tuning`: the shared-memory thresholds measured by `hpdl tune` (a parent's, for a split); with
+        `read_tuning` rank 0 reads them from the file and every rank takes its answer (hpdl.init's world)."""
         node = node_comm(mpi_comm)
         super().__init__(
             rank=mpi_comm.Get_rank(),
@@ -178,22 +189,30 @@ class MpiCommunicator(Communicator):
             timeout=timeout,
             debug=debug,
         )
+        local_size = node.Get_size()
         node.Free()
         self.mpi_comm = mpi_comm
         self.cuda_aware = cuda_aware()
-        self._progress = WindowBoard(mpi_comm, timeout)
+        self._progress = WindowBoard(mpi_comm, timeout)  # returns once every rank has started
+        try:
+            self._tuning = tuning_file.agree(mpi_comm, timeout) if read_tuning else tuning
+        except Exception:
+            self._progress.close()  # every rank raises the same error: leave MPI as hpdl.init found it
+            raise
         self._exit_comm = mpi_comm.Dup()
         """Where the exit barrier meets: MPI pairs nonblocking collectives by order alone, so on `mpi_comm` a
         rank still inside a collective would take the others' exit barrier for it (and return garbage)."""
         self.shared_memory = shm.enabled()
         """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
         # Read once: this is consulted on every collective.
-        self._shm_thresholds = {op: shm.thresholds(op) for op in shm.DEFAULT_THRESHOLDS}
+        measured, self.shm_thresholds_source = tuning_file.thresholds_for(self._tuning, local_size, library_version())
+        """Where the shared-memory thresholds come from: `hpdl tune`'s file, or built in (and why)."""
+        self._shm_thresholds = {op: shm.thresholds(op, measured[op]) for op in shm.DEFAULT_THRESHOLDS}
         self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
         """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not MPI_Ireduce_scatter_block."""
-        self._open_shm_gates()
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
+        self._open_shm_gates()
         calls, self.calls = mpi_calls.select()
         """Which MPI calls the fast paths make: compiled (hpdl.comm._mpi_fast) or mpi4py's, and why."""
         self._fast = FastTables(calls)
@@ -255,8 +274,14 @@ class MpiCommunicator(Communicator):
 
     def _open_shm_gates(self, closed: bool = False) -> None:
         """Per operation, the smallest message that may take the shared-memory path (every fast path compares its
-        own: one op's low threshold must not send another op's small messages down the general path)."""
-        gate = {op: math.inf if closed else float(low) for op, (low, _) in self._shm_thresholds.items()}
+        own: one op's low threshold must not send another op's small messages down the general path). The lower
+        threshold (zero copy) only counts once shared buffers exist: until then no call can be zero-copy, and
+        ordinary tensors up to the higher one keep the fast path."""
+        buffers = self._node is not None and self._node.has_buffers
+        gate = {
+            op: math.inf if closed else float(low if buffers else high)
+            for op, (low, high) in self._shm_thresholds.items()
+        }
         self._shm_smallest = min(gate.values())
         # The fast paths also leave messages that need more than an int count to the general path.
         self._fast_allreduce_below = min(gate["allreduce"], _INT_COUNT)
@@ -554,7 +579,15 @@ class MpiCommunicator(Communicator):
         node = self._shared_memory("allreduce", shm.NEVER, torch.empty(0))
         if node is None:
             return super().shared_buffer(numel, dtype)
-        return node.shared_buffer(numel, dtype)
+        made = node.shared_buffer(numel, dtype)
+        self._open_shm_gates()  # zero-copy sizes now leave the fast paths (every rank made one)
+        return made
+
+    def _use_shm_thresholds(self, op: str, zero_copy: int, ordinary: int) -> None:
+        """Where `op` takes the shared-memory path from now on (bytes: shared buffers, ordinary tensors), as
+        `hpdl tune` does to time each path. Every rank must set the same numbers before its next `op`."""
+        self._shm_thresholds[op] = (zero_copy, ordinary)
+        self._open_shm_gates()
 
     @property
     def engine(self) -> str:
@@ -701,7 +734,7 @@ class MpiCommunicator(Communicator):
         child = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
         if child == MPI.COMM_NULL:
             return None
-        made = MpiCommunicator(child, timeout=self.timeout, debug=self.debug)
+        made = MpiCommunicator(child, timeout=self.timeout, debug=self.debug, tuning=self._tuning)
         made.check_every = self.check_every
         return made
 

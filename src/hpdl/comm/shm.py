@@ -65,7 +65,8 @@ _MB = 1024 * 1024
 # copied in (1.15-1.26x, 3 runs), faster from 2 MiB zero-copy in 2 runs of 3
 # and from 8 MiB copied in in 3 runs of 4 (0.74-0.94x; 0.35-0.9x at 32-64
 # MiB): allreduce moved to 2 MiB / 8 MiB. The crossover moves with the
-# machine's memory bandwidth and its load; measure and set the variables.
+# machine's memory bandwidth and its load: `hpdl tune` measures them on the
+# machine and writes a file that hpdl.init reads (hpdl.comm.tuning).
 # HPDL_SHM_MIN_<OP>=bytes overrides both numbers of one operation.
 NEVER = 1 << 62
 DEFAULT_THRESHOLDS = {
@@ -106,10 +107,13 @@ def piece_bytes() -> int:
     return max(int(megabytes * 1024 * 1024) // 64 * 64, 64)
 
 
-def thresholds(op: str) -> tuple[int, int]:
-    """(smallest size with shared buffers in use, smallest size for ordinary tensors), in bytes."""
+def thresholds(op: str, measured: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+    """(smallest size with shared buffers in use, smallest size for ordinary tensors), in bytes: HPDL_SHM_MIN_<OP>,
+    else `measured` (`hpdl tune`'s), else the built-in numbers."""
     both = env_number(f"HPDL_SHM_MIN_{op.upper()}", -1, int, "a number of bytes", allow_zero=True)
-    return DEFAULT_THRESHOLDS[op] if both < 0 else (both, both)
+    if both >= 0:
+        return (both, both)
+    return DEFAULT_THRESHOLDS[op] if measured is None else measured
 
 
 def _views(win: Any, size: int) -> list[torch.Tensor]:

@@ -105,7 +105,7 @@ def is_initialized() -> bool:
 def _mpi_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     from hpdl.comm.mpi_backend import MPI, MpiCommunicator
 
-    comm = MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug)
+    comm = MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug, read_tuning=True)
     if launch.size is not None and launch.size != comm.size:
         raise BackendUnavailableError(
             f"the launcher ({launch.launcher}) started {launch.size} ranks but MPI sees {comm.size}: mpi4py is "

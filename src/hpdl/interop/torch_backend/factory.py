@@ -85,7 +85,7 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
         members = MPI.COMM_WORLD.Get_group().Incl(ranks)
         sub = MPI.COMM_WORLD.Create_group(members, tag=group_tag(ranks))
         members.Free()
-        return MpiCommunicator(sub, timeout=timeout, debug=world.debug)
+        return MpiCommunicator(sub, timeout=timeout, debug=world.debug, tuning=getattr(world, "_tuning", None))
 
     return HpdlProcessGroup(progress.call(create), ranks)
 
