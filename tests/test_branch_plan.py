@@ -75,6 +75,8 @@ def test_the_planner_profiles_a_branches_block_and_spreads_it_where_data_paralle
 
     with pytest.raises(PlanError, match="4 branches for 8 ranks"):
         Plan(tp=8).validate(8, model)
+    with pytest.raises(PlanError, match=r"itself a Branches block.*nn.Sequential\(block\)"):
+        Plan(tp=2).validate(2, model[2])
     with pytest.raises(PlanError, match="spreads an hpdl.parallel.branch.Branches block; this is a Conv2d"):
         Plan(tp=2, tp_plan={"0": "branch"}).validate(2, model)
     # found in review: a layer split over tp inside a spread block mixed other ranks' branches (silently)
@@ -88,6 +90,41 @@ def test_the_planner_profiles_a_branches_block_and_spreads_it_where_data_paralle
         Plan(tp=2, zero_stage=1).validate(2, model)
     proposed = list(candidates(profile, cluster(), Workload(batch=2, precision="fp32")))
     assert not [c for c in proposed if c.tp > 1 and c.zero] and [c for c in proposed if c.tp > 1]
+
+
+def test_the_cost_model_prices_the_busiest_rank_where_whole_branches_split_unevenly():
+    """The block's four branches differ in cost: over 4 ranks the most expensive branch alone sets the pace,
+    over 3 the rank given two; the profile prices the placement a Plan makes (by parameter count)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpdl.parallel.branch.placement import loads, place
+    from hpdl.plan.cost import CostModel
+
+    model = inception(width=16)
+    profile = measure(model, lambda b: torch.randn(b, 2, 32, 32), batch=2)
+    layer = next(ly for ly in profile.layers if ly.name == "2")
+    block, x = model[2], model[1](model[0](torch.randn(2, 2, 32, 32)))
+    flops, params = [], []
+    for branch in block.branches:
+        with FlopCounterMode(display=False) as counter:
+            branch(x)
+        flops.append(counter.get_total_flops() / 2)
+        params.append(float(sum(p.numel() for p in branch.parameters())))
+    assert sum(flops) == pytest.approx(layer.tp_flops)
+    assert layer.tp_share(1) == 1.0 and layer.tp_param_share(1) == 1.0
+    for tp in (2, 3, 4):
+        owner = place(params, tp)
+        busiest = max(loads(flops, owner, tp)) / sum(flops)
+        assert layer.tp_share(tp) == pytest.approx(busiest) and busiest > 1 / tp + 0.02, (tp, owner, flops)
+        assert layer.tp_param_share(tp) == pytest.approx(max(loads(params, owner, tp)) / sum(params))
+    cost = CostModel(profile, cluster(), Workload(batch=1, precision="fp32"))
+    rest = profile.flops - layer.flops
+    assert cost.stages(1, 4)[0].flops == pytest.approx(rest + layer.flops * layer.tp_share(4))
+    assert cost.stages(1, 4)[0].flops > rest + layer.flops / 4  # what an even split would have promised
+    three = Cluster(name="three", nodes=1, devices_per_node=3, memory_bytes=8 * GB, flops={"fp32": 1e11},
+                    intra=Link("shm", 2e-6, 10 * GB), inter=Link("net", 10e-6, 1 * GB))  # fmt: skip
+    tps = {e.candidate.tp for e in search(profile, three, Workload(batch=1, precision="fp32")).feasible}
+    assert tps == {1, 3}  # 4 branches on 3 ranks (one holds two): searched, and priced by its busiest rank
 
 
 def reference(batches: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[float]]:

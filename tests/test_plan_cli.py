@@ -117,17 +117,21 @@ def test_calibrate_measures_this_machine_and_writes_a_cluster_file(calibrated):
     assert "direct probe" in cluster.extra["collectives"] and "measured on" in cluster.source
 
 
-def test_validate_quick_measures_the_spatial_plans_of_a_cnn(calibrated, tmp_path):
+def test_validate_quick_measures_the_spatial_plans_of_a_cnn_and_the_branch_plans_of_an_inception_block(
+    calibrated, tmp_path
+):
     out = tmp_path / "validate"
-    done = hpdl("plan", "validate", "--quick", "--models", "cnn", "--cluster", str(calibrated), "--out", str(out),
-                timeout=400)  # fmt: skip
+    done = hpdl("plan", "validate", "--quick", "--models", "cnn", "inception", "--cluster", str(calibrated),
+                "--out", str(out), timeout=400)  # fmt: skip
     assert "predicted ms" in done.stdout
     records = json.loads((out / "validate.json").read_text())["records"]
     assert not [r for r in records if r["error"]], [r["error"] for r in records if r["error"]]
     ran = [r for r in records if r["measured_s"]]
     assert len(ran) == len(records)
-    on_two = {(r["fields"]["dp"], r["fields"].get("sp", 1), r["fields"].get("pp", 1)) for r in ran if r["ranks"] == 2}
-    assert (1, 2, 1) in on_two and (2, 1, 1) in on_two, on_two  # spatial 2-way beside data parallel
+    on_two = {(r["model"], r["fields"]["dp"], r["fields"].get("sp", 1), r["fields"].get("pp", 1), r["fields"]["tp"])
+              for r in ran if r["ranks"] == 2}  # fmt: skip
+    assert {("cnn", 1, 2, 1, 1), ("cnn", 2, 1, 1, 1)} <= on_two, on_two  # spatial 2-way beside data parallel
+    assert ("inception", 1, 1, 1, 2) in on_two, on_two  # the block's branches on 2 ranks (BranchParallel)
     assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in ran)
 
 

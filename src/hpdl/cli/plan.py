@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Optional
 
@@ -22,6 +23,10 @@ SUBCOMMANDS = ("memory", "calibrate", "validate")
 
 def run_argv(argv: list[str]) -> int:
     """Entry from `hpdl plan ...`: a subcommand, or the search."""
+    # Profiles and calibration time tensors in this process: under the allocator the ranks use
+    # (spawn.job_environment puts tensors of 2 MB and more on huge pages; torch reads the variable at its
+    # first large allocation, which has not happened yet).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     try:
         if argv[:1] == ["memory"]:
             return _memory(argv[1:])
@@ -227,7 +232,7 @@ def _validate(argv: list[str]) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, tiny models, few steps (a smoke test)")
     parser.add_argument("--ranks", nargs="+", help="world sizes (default 1 2 4; --quick: 1 2)")
-    parser.add_argument("--models", nargs="+", choices=list(validate.MODELS), help="models (default: mlp gpt cnn)")
+    parser.add_argument("--models", nargs="+", choices=list(validate.MODELS), help="models (default: all)")
     parser.add_argument("--cluster", help="cluster file from `hpdl plan calibrate` (default: calibrate now)")
     parser.add_argument("--steps", type=int, help="timed steps per plan (default 5; --quick 2)")
     parser.add_argument("--out", default="bench-results/plan", help="output folder (default bench-results/plan)")

@@ -236,22 +236,26 @@ class CostModel:
             params = []
             for i in chosen:
                 layer = layers[i]
-                p = layer.params - layer.tp_params + layer.tp_params / tp
+                p = layer.params - layer.tp_params + layer.tp_params * layer.tp_param_share(tp)
                 if layer.tied_params and layer.tied_to not in chosen:
                     p += layer.tied_params / tp  # a tied weight whose owner sits on another stage is held twice
                 params.append(p)
-            acts = [ly.activation_bytes - ly.tp_activation_bytes + ly.tp_activation_bytes / tp for ly in stage_layers]
+            acts = [
+                ly.activation_bytes - ly.tp_activation_bytes + ly.tp_activation_bytes * ly.tp_share(tp)
+                for ly in stage_layers
+            ]
             inputs = [layers[i - 1].output_bytes if i > 0 else 0.0 for i in chosen]
             out.append(
                 _Stage(
                     layers=count,
                     ops=sum(ly.ops for ly in stage_layers),
                     tensors=sum(ly.tensors for ly in stage_layers),
-                    flops=sum(ly.flops - ly.tp_flops + ly.tp_flops / tp for ly in stage_layers),
+                    flops=sum(ly.flops - ly.tp_flops + ly.tp_flops * ly.tp_share(tp) for ly in stage_layers),
                     fwd_fixed_s=sum(ly.fwd_fixed_s for ly in stage_layers),
-                    # the share of a layer's time that tensor parallelism divides: its share of the FLOPs
+                    # the share of a layer's time that tensor parallelism divides: its share of the FLOPs (of which
+                    # the busiest tp rank runs tp_share: 1 / tp, or more where whole branches do not split evenly)
                     fwd_per_sample_s=sum(
-                        ly.fwd_per_sample_s * (1 - (ly.tp_flops / ly.flops if ly.flops else 0) * (1 - 1 / tp))
+                        ly.fwd_per_sample_s * (1 - (ly.tp_flops / ly.flops if ly.flops else 0) * (1 - ly.tp_share(tp)))
                         for ly in stage_layers
                     ),
                     params=sum(params),

@@ -82,9 +82,29 @@ class Layer:
     """Convolutions and pools of a spatial layer that exchange halos (messages per boundary and direction)."""
     tp_branches: int = 0
     """Of a unit that holds a `Branches` block spread over tp (the style "branch"), its branch count; 0: none."""
+    tp_busiest: tuple[float, ...] = ()
+    """Of a unit with `Branches` blocks, for tp = 1, 2, ...: the fraction of its tp-split FLOPs that the busiest
+    tp rank runs (whole branches, placed by parameter count as a Plan places them); empty: 1 / tp."""
+    tp_busiest_params: tuple[float, ...] = ()
+    """The same for its tp-split parameters."""
     spatial_rows: int = 0
     """Of a spatial layer, the fewest rows along the split dimension of its input and output: each slab needs
     at least a row of each."""
+
+    def tp_allows(self, tp: int) -> bool:
+        """Whether degree `tp` can split this layer: whole branches need a branch per rank (3 ranks may hold 4
+        branches: `tp_share` prices the busiest), attention heads must divide evenly."""
+        if self.tp_branches:
+            return tp <= self.tp_max
+        return not self.tp_max or self.tp_max % tp == 0
+
+    def tp_share(self, tp: int) -> float:
+        """The fraction of the tp-split FLOPs (and activations) one rank runs at degree `tp`: the busiest's."""
+        return self.tp_busiest[tp - 1] if tp <= len(self.tp_busiest) else 1 / tp
+
+    def tp_param_share(self, tp: int) -> float:
+        """The fraction of the tp-split parameters the rank holding the most holds at degree `tp`."""
+        return self.tp_busiest_params[tp - 1] if tp <= len(self.tp_busiest_params) else 1 / tp
 
     def scaled(self, factor: float) -> Layer:
         """The same layer with activation and output bytes times `factor` (another activation dtype)."""
@@ -150,10 +170,9 @@ class ModelProfile:
         """Whether tensor parallelism spreads `Branches` blocks (which a plan does not combine with ZeRO)."""
         return any(layer.tp_branches for layer in self.layers)
 
-    def tp_limit(self) -> int:
-        """Largest tensor-parallel degree every layer allows (0: none set)."""
-        limits = [layer.tp_max for layer in self.layers if layer.tp_max]
-        return min(limits) if limits else 0
+    def tp_allows(self, tp: int) -> bool:
+        """Whether every layer can be split over `tp` ranks (see `Layer.tp_allows`)."""
+        return all(layer.tp_allows(tp) for layer in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -328,6 +347,17 @@ def measure(
             p.numel() for m, style in split for p in m.parameters(recurse=style == "branch") if id(p) in params
         )
         branch_counts = [len(m.branches) for m, style in split if style == "branch"]
+        sub_names = {id(m): sub for sub, m in module.named_modules()}
+        prefix = f"{root}.{unit_name}"
+        blocks = [
+            (
+                [counts.get(f"{prefix}{'.' if sub_names[id(m)] else ''}{sub_names[id(m)]}.branches.{i}", 0.0)
+                 for i in range(len(m.branches))],
+                [float(sum(p.numel() for p in b.parameters())) for b in m.branches],
+            )
+            for m, style in split
+            if style == "branch"
+        ]  # fmt: skip
         split_names = [sub for sub, m in module.named_modules() if id(m) in split_ids]
         # A head-split qkv projection splits its attention module's score and weighted-sum FLOPs too.
         qkv = {id(m) for m, style in split if style == "qkv"}
@@ -352,6 +382,8 @@ def measure(
                 tp_allreduce_bwd=sum(style in ("column", "qkv", "column_gather", "branch") for _, style in split),
                 tp_max=min(branch_counts + ([heads] if heads else [])) if branch_counts else (heads if tp_plan else 1),
                 tp_branches=min(branch_counts, default=0),
+                tp_busiest=_busiest(blocks, tp_flops, 0, min(branch_counts, default=0)),
+                tp_busiest_params=_busiest(blocks, tp_params, 1, min(branch_counts, default=0)),
                 ops=ops[i],
                 tensors=len(unit_params),
             )
@@ -472,6 +504,26 @@ def _time_layers(
         per_sample = max((best[b2][i] - best[b1][i]) / (b2 - b1), 0.0)
         fits.append((max(best[b1][i] - per_sample * b1, 0.0), per_sample))
     return fits, statistics.median(ratios)
+
+
+def _busiest(blocks: list[tuple[list[float], list[float]]], total: float, which: int, most: int) -> tuple[float, ...]:
+    """For tp = 1 .. `most`: the fraction of a unit's tp-split `total` (FLOPs: `which` 0, parameters: 1) on its
+    busiest tp rank. Each `Branches` block (per-branch FLOPs, per-branch parameters) is placed whole, by parameter
+    count (`Plan` spreads blocks so), and merges before the next: the busiest rank of each block adds up; what
+    else the unit splits over tp divides evenly."""
+    from hpdl.parallel.branch.placement import loads, place
+
+    if not blocks or total <= 0:
+        return ()
+    even = total - sum(sum(block[which]) for block in blocks)
+    shares = []
+    for tp in range(1, most + 1):
+        busiest = max(even, 0.0) / tp
+        for block in blocks:
+            owner = place([max(1.0, p) for p in block[1]], tp)
+            busiest += max(loads(block[which], owner, tp))
+        shares.append(busiest / total)
+    return tuple(shares)
 
 
 def _tp_modules(module: Any, unit_name: str, tp_plan: dict[str, str]) -> list[tuple[Any, str]]:

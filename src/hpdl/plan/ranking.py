@@ -1,7 +1,8 @@
 """Search: every (dp, pp, tp, ZeRO stage, micro-batches, schedule, recomputation) hpdl can run, ranked.
 
 The space is the one `hpdl.parallel.Plan` accepts: dp x pp x tp equals the
-devices; tp stays inside a node and divides the attention heads; micro-
+devices; tp stays inside a node, divides the attention heads and has a
+`Branches` block's branch for each rank; micro-
 batches, schedules and recomputation only with a pipeline (1F1B needs
 m >= pp); ZeRO-3 only without pipeline and tensor parallelism; mixed
 precision keeps fp32 master copies in the ZeRO optimizer, so it needs a
@@ -47,10 +48,9 @@ def candidates(
     pipeline, tensor parallelism or ZeRO, which SpatialParallel does not compose with in a plan."""
     n = devices or cluster.devices
     layers = len(profile.layers)
-    heads = profile.tp_limit()
     per_node = min(cluster.devices_per_node, n)
     for tp in divisors(per_node):
-        if n % tp or (heads and heads % tp) or (max_tp and tp > max_tp):
+        if n % tp or not profile.tp_allows(tp) or (max_tp and tp > max_tp):
             continue
         for pp in divisors(n // tp):
             if pp > layers:

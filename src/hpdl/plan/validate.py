@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["Options", "run", "summarize", "markdown", "plot", "MODELS", "main"]
 
-MODELS = ("mlp", "gpt", "cnn")
+MODELS = ("mlp", "gpt", "cnn", "inception")
 TOLERANCE = 0.25
 BEST_TOLERANCE = 0.10
 
@@ -61,6 +61,38 @@ def quick_options(**overrides: Any) -> Options:
 
 
 # --------------------------------------------------------------------------- models (both sides use these)
+def _inception(spec: dict[str, Any]) -> tuple[Any, Callable[[int, int], tuple[Any, Any]], Callable[..., Any]]:
+    """A stem, one `Branches` block (1x1; 1x1 then 3x3; 1x1 then 5x5; pool then 1x1: concat) and a head: a plan
+    with tp > 1 spreads the block's branches over the tp ranks (`BranchParallel`)."""
+    import torch
+    from torch import nn
+
+    from hpdl.parallel.branch import Branches
+
+    w, size, classes = spec["width"], spec["size"], spec["classes"]
+
+    def conv(cin: int, cout: int, k: int) -> nn.Module:
+        return nn.Conv2d(cin, cout, k, padding=k // 2)
+
+    block = Branches(
+        [
+            conv(w, 2 * w, 1),
+            nn.Sequential(conv(w, 2 * w, 1), nn.ReLU(), conv(2 * w, 4 * w, 3)),
+            nn.Sequential(conv(w, w, 1), nn.ReLU(), conv(w, 2 * w, 5)),
+            nn.Sequential(nn.MaxPool2d(3, 1, 1), conv(w, w, 1)),
+        ],
+        "concat",
+    )
+    model = nn.Sequential(conv(3, w, 3), nn.ReLU(), block, nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(9 * w, classes))  # fmt: skip
+
+    def images(seed: int, rows: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(rows, 3, size, size, generator=g), torch.randint(0, classes, (rows,), generator=g)
+
+    return model, images, nn.functional.cross_entropy
+
+
 def model_spec(name: str, quick: bool) -> dict[str, Any]:
     """Sizes of the validation models; the same dict travels to the worker."""
     if name == "mlp":
@@ -72,6 +104,9 @@ def model_spec(name: str, quick: bool) -> dict[str, Any]:
     if name == "cnn":  # the spatial plans' model: convolutions, batch norm, a stride-2 layer, a replicated head
         return {"name": "cnn", "size": 32 if quick else 128, "width": 8 if quick else 16, "classes": 10,
                 "batch": 4 if quick else 8}  # fmt: skip
+    if name == "inception":  # the branch plans' model: one Inception block of 4 branches of different cost
+        return {"name": "inception", "size": 16 if quick else 64, "width": 4 if quick else 16, "classes": 10,
+                "batch": 4 if quick else 16}  # fmt: skip
     raise ValueError(f"unknown validation model {name!r}; use {', '.join(MODELS)}")
 
 
@@ -117,6 +152,8 @@ def build_model(spec: dict[str, Any]) -> tuple[Any, Callable[[int, int], tuple[A
             return torch.randn(rows, 3, size, size, generator=g), torch.randint(0, classes, (rows,), generator=g)
 
         return cnn, images, nn.functional.cross_entropy
+    if spec["name"] == "inception":
+        return _inception(spec)
     from hpdl.models.gpt import GPT, GPTConfig, lm_loss
 
     config = GPTConfig(vocab_size=spec["vocab"], block_size=spec["block"], n_layer=spec["layers"],

@@ -72,7 +72,7 @@ class BranchParallel(nn.Module):
     def _place(self, placement: Optional[Sequence[int]]) -> list[int]:
         size = self.comm.size
         if placement is None:
-            return list(range(size)) if self.count == size else placing.assign(self.costs, size)
+            return placing.place(self.costs, size)
         owner = list(placement)
         if len(owner) != self.count or any(not isinstance(r, int) or not 0 <= r < size for r in owner):
             raise ValueError(f"placement={owner} must give a rank in [0, {size}) for each of the {self.count} branches")

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["BranchCost", "assign", "measure", "parameter_costs", "loads"]
+__all__ = ["BranchCost", "assign", "measure", "parameter_costs", "loads", "place"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,12 @@ def assign(costs: Sequence[float], ranks: int) -> list[int]:
         load[rank] += float(costs[i])
         count[rank] += 1
     return owner
+
+
+def place(costs: Sequence[float], ranks: int) -> list[int]:
+    """One branch per rank in order when they are as many, else `assign` (what `BranchParallel` does without an
+    explicit placement; the planner prices the same placement)."""
+    return list(range(ranks)) if len(costs) == ranks else assign(costs, ranks)
 
 
 def loads(costs: Sequence[float], owner: Sequence[int], ranks: int) -> list[float]:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from hpdl.parallel.branch.block import BRANCH_STYLE, branch_plan, branch_problem, nested_in_branches
+from hpdl.parallel.branch.block import BRANCH_STYLE, Branches, branch_plan, branch_problem, nested_in_branches
 from hpdl.parallel.tensor.styles import TP_STYLES
 from hpdl.parallel.tensor.styles import split_problem as _tensor_split_problem
 
@@ -303,6 +303,11 @@ class Plan:
         if self.tp == 1:
             return
         patterns = self.tp_plan_for(model)
+        if not patterns and isinstance(model, Branches):
+            raise PlanError(
+                f"Plan: tp={self.tp} would spread the model's branches, but the model is itself a Branches block, "
+                "which a plan cannot replace in place: wrap it, nn.Sequential(block), and build that"
+            )
         if not patterns:
             raise PlanError(
                 f"Plan: tp={self.tp} but no tp_plan names layers to split, and {type(model).__name__} has no "
