@@ -54,6 +54,9 @@ def test_file_round_trip_merges_node_sizes_and_writes_never_as_null(tmp_path):
     assert found.per_node[2]["allreduce"] == (64 * KIB, NEVER)
     assert found.per_node[4]["allreduce"] == (1 * MIB, 4 * MIB)
     assert json.loads(open(where).read())["ranks_per_node"]["2"]["allreduce"] == [64 * KIB, None]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(where).st_mode & 0o777 == 0o644 & ~umask  # others who share the file can read it
     tuning.write(where, tuning.new("Open MPI v5.0.5", 2, dict(shm.DEFAULT_THRESHOLDS), {}))
     assert set(tuning.read(where).per_node) == {2}  # another MPI library: the old entries do not apply
     assert tuning.read(str(tmp_path / "missing.json")) is None
@@ -70,6 +73,11 @@ def test_file_round_trip_merges_node_sizes_and_writes_never_as_null(tmp_path):
             '"reduce_scatter": [1, 1], "allgather": [1, 1], "broadcast": [1, 1]}}}',
             "zero-copy <= ordinary",
         ),
+        (
+            '{"format": 1, "mpi": "x", "host": "h", "written": "w", "ranks_per_node": {"2": {"allreduce": '
+            '[Infinity, 1], "reduce_scatter": [1, 1], "allgather": [1, 1], "broadcast": [1, 1]}}}',
+            "malformed",
+        ),
     ],
 )
 def test_a_bad_file_is_an_error_that_names_it_and_says_what_to_do(tmp_path, text, what):
@@ -78,6 +86,15 @@ def test_a_bad_file_is_an_error_that_names_it_and_says_what_to_do(tmp_path, text
     with pytest.raises(TuneFileError, match=what) as caught:
         tuning.read(str(where))
     assert str(where) in str(caught.value) and "hpdl tune" in str(caught.value) and "=off" in str(caught.value)
+
+
+def test_parameters_of_several_blocks_add_up_per_rank_and_flops_per_block():
+    from hpdl.plan.profile import _busiest
+
+    blocks = [([5.0, 1.0, 1.0], [10.0, 9.0, 8.0]), ([1.0, 3.0], [10.0, 1.0])]  # (FLOPs, parameters) per branch
+    # tp=2, by parameters: block 1 puts branch 0 alone on rank 0 (10 | 17), block 2 branch 0 on rank 0 (10 | 1)
+    assert _busiest(blocks, 38.0, 1, 2)[1] == pytest.approx(20 / 38)  # rank 0 holds 10 + 10, rank 1 17 + 1
+    assert _busiest(blocks, 11.0, 0, 2)[1] == pytest.approx((5 + 3) / 11)  # each block waits for its slowest rank
 
 
 def test_thresholds_for_says_where_they_come_from():
@@ -89,6 +106,8 @@ def test_thresholds_for_says_where_they_come_from():
     chosen, source = tuning.thresholds_for(found, 2, "Open MPI v5.0.5")
     assert chosen == shm.DEFAULT_THRESHOLDS and "measured with MPICH" in source
     assert tuning.thresholds_for(None, 2, MPI_NAME) == (shm.DEFAULT_THRESHOLDS, "built-in")
+    chosen, source = tuning.thresholds_for(found, 0, MPI_NAME)  # 0: nodes hold different numbers of ranks
+    assert chosen == shm.DEFAULT_THRESHOLDS and "different numbers of ranks" in source
 
 
 def test_the_environment_overrides_a_measured_threshold(monkeypatch):
@@ -166,6 +185,14 @@ def test_rank_zeros_file_is_every_ranks_answer(ranks, tmp_path):
         fh.write("{")
     for kind, message in ranks("mpi", 2).run(agree_and_build, where, True):
         assert kind == "error" and where in message and "hpdl tune" in message
+
+
+def node_sizes(comm):
+    return [tuning.uniform_node_size(comm.mpi_comm, n, 30.0) for n in (2, comm.rank + 1)]
+
+
+def test_ranks_agree_whether_every_node_holds_as_many_ranks(ranks):
+    assert ranks("mpi", 2).run(node_sizes) == [[2, 0], [2, 0]]
 
 
 def _mpi_library():

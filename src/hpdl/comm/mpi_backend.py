@@ -205,6 +205,8 @@ class MpiCommunicator(Communicator):
         self.shared_memory = shm.enabled()
         """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
         # Read once: this is consulted on every collective.
+        if self._tuning is not None:  # every rank must look up the same entry
+            local_size = tuning_file.uniform_node_size(mpi_comm, local_size, timeout)
         measured, self.shm_thresholds_source = tuning_file.thresholds_for(self._tuning, local_size, library_version())
         """Where the shared-memory thresholds come from: `hpdl tune`'s file, or built in (and why)."""
         self._shm_thresholds = {op: shm.thresholds(op, measured[op]) for op in shm.DEFAULT_THRESHOLDS}

@@ -84,7 +84,7 @@ def read(where: str) -> Optional[Tuning]:
         per_node = {int(local): _thresholds(entry) for local, entry in data["ranks_per_node"].items()}
         return Tuning(where, str(data["mpi"]), str(data["host"]), str(data["written"]), per_node,
                       dict(data.get("measured", {})))  # fmt: skip
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise _fail(where, f"malformed ({type(exc).__name__}: {exc})") from None
 
 
@@ -120,6 +120,9 @@ def write(where: str, tuning: Tuning) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(where)), prefix=".shm-thresholds.")
     with os.fdopen(fd, "w") as fh:
         json.dump(data, fh, indent=1)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o644 & ~umask)  # (mkstemp makes it private: others who read the same file could not)
     os.replace(tmp, where)
 
 
@@ -149,6 +152,8 @@ def thresholds_for(tuning: Optional[Tuning], local_size: int, mpi: str) -> tuple
     built_in = dict(shm.DEFAULT_THRESHOLDS)
     if tuning is None:
         return built_in, "built-in"
+    if local_size == 0:
+        return built_in, "built-in (nodes hold different numbers of ranks)"
     if tuning.mpi != mpi:
         return built_in, f"built-in ({tuning.path} was measured with {tuning.mpi}; this job runs {mpi})"
     if local_size not in tuning.per_node:
@@ -172,8 +177,9 @@ def agree(mpi_comm: Any, timeout: float, where: Optional[str] = None) -> Optiona
             found = read(where) if where else None
             shared = dataclasses.asdict(dataclasses.replace(found, measured={})) if found else None
             payload = json.dumps({"tuning": shared}).encode()
-        except TuneFileError as exc:
-            payload = json.dumps({"error": str(exc)}).encode()
+        except Exception as exc:  # raised on every rank, not on rank 0 alone
+            text = str(exc) if isinstance(exc, TuneFileError) else f"{where}: {type(exc).__name__}: {exc}"
+            payload = json.dumps({"error": text}).encode()
     length = np.array([len(payload)], dtype=np.int64)
     deadline = time.perf_counter() + timeout
     _bounded(mpi_comm.Ibcast([length, MPI.INT64_T], root=0), deadline, timeout)
@@ -187,6 +193,17 @@ def agree(mpi_comm: Any, timeout: float, where: Optional[str] = None) -> Optiona
         return None
     per_node = {int(k): {op: (int(a), int(b)) for op, (a, b) in v.items()} for k, v in found["per_node"].items()}
     return Tuning(found["path"], found["mpi"], found["host"], found["written"], per_node, found["measured"])
+
+
+def uniform_node_size(mpi_comm: Any, local_size: int, timeout: float) -> int:
+    """`local_size` when every rank of `mpi_comm` has that many ranks on its node, else 0 (bounded): ranks that
+    looked up different entries would choose different paths for one call."""
+    from mpi4py import MPI
+
+    extremes = np.array([local_size, -local_size], dtype=np.int64)
+    _bounded(mpi_comm.Iallreduce(MPI.IN_PLACE, [extremes, MPI.INT64_T], op=MPI.MAX), time.perf_counter() + timeout,
+             timeout)  # fmt: skip
+    return local_size if int(extremes[0]) == -int(extremes[1]) else 0
 
 
 def _bounded(request: Any, deadline: float, timeout: float) -> None:

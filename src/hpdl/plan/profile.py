@@ -509,8 +509,8 @@ def _time_layers(
 def _busiest(blocks: list[tuple[list[float], list[float]]], total: float, which: int, most: int) -> tuple[float, ...]:
     """For tp = 1 .. `most`: the fraction of a unit's tp-split `total` (FLOPs: `which` 0, parameters: 1) on its
     busiest tp rank. Each `Branches` block (per-branch FLOPs, per-branch parameters) is placed whole, by parameter
-    count (`Plan` spreads blocks so), and merges before the next: the busiest rank of each block adds up; what
-    else the unit splits over tp divides evenly."""
+    count (`Plan` spreads blocks so), and merges before the next: for FLOPs the busiest rank of each block adds
+    up, parameters add up per rank; what else the unit splits over tp divides evenly."""
     from hpdl.parallel.branch.placement import loads, place
 
     if not blocks or total <= 0:
@@ -518,11 +518,14 @@ def _busiest(blocks: list[tuple[list[float], list[float]]], total: float, which:
     even = total - sum(sum(block[which]) for block in blocks)
     shares = []
     for tp in range(1, most + 1):
-        busiest = max(even, 0.0) / tp
+        per_rank = [max(even, 0.0) / tp] * tp  # parameters: what each rank holds of every block
+        busiest = max(even, 0.0) / tp  # FLOPs: the blocks run one after another, each at its busiest rank's pace
         for block in blocks:
             owner = place([max(1.0, p) for p in block[1]], tp)
-            busiest += max(loads(block[which], owner, tp))
-        shares.append(busiest / total)
+            load = loads(block[which], owner, tp)
+            busiest += max(load)
+            per_rank = [a + b for a, b in zip(per_rank, load)]
+        shares.append((max(per_rank) if which else busiest) / total)
     return tuple(shares)
 
 
