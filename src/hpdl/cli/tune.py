@@ -68,7 +68,8 @@ def run(options: argparse.Namespace) -> int:
             env[tuning.ENV] = "off"  # measure from the built-in state, whatever the file says
             code = spawn.run(ranks, args, env=env, timeout=options.timeout, name="hpdl tune")
             if code != 0 or not os.path.exists(out):
-                print(f"hpdl tune: the {ranks}-rank job failed (exit code {code}); nothing written", file=sys.stderr)
+                print(f"hpdl tune: the {ranks}-rank job failed (exit code {code}); nothing written for {ranks} ranks "
+                      "per node", file=sys.stderr)  # fmt: skip
                 return code or 1
             with open(out) as fh:
                 measured = json.load(fh)
