@@ -299,6 +299,38 @@ def test_allreduce_coalesced(group):
         assert _close(averaged[0], expected_reduce(k, 10, torch.float32, "avg"))
 
 
+def coalesced_again(comm):
+    """The same list reduced step after step, changed between steps as training code changes it."""
+    results = []
+    for bucket_mb in (None, 0.004):  # one bucket; several
+        grads = [torch.full((n,), float(comm.rank + 1)) for n in (3, 1000, 5, 2000)]
+        for step in range(7):
+            if step == 2:
+                grads[1].resize_(600)  # shrunk in place (same object, same address)
+            if step == 3:
+                grads[1].resize_(800)  # grown again within its memory: more elements than last time
+            if step == 4:
+                grads[2] = torch.full((5,), float(comm.rank + 1), dtype=torch.float64)  # a new object, another dtype
+            if step == 5:
+                grads[3].set_(torch.full((7,), float(comm.rank + 1)))  # the same object on new memory
+            comm.allreduce_coalesced(grads, bucket_mb=bucket_mb)
+            results.append([(str(g.dtype), g.tolist()) for g in grads])
+            for g in grads:
+                g.fill_(comm.rank + 1)
+    return results
+
+
+def test_allreduce_coalesced_again_and_again(group):
+    k = group.nprocs
+    total = k * (k + 1) / 2
+    for results in group.run(coalesced_again):
+        for step, tensors in enumerate(results):
+            step %= 7
+            sizes = [3, [1000, 1000, 600, 800, 800, 800, 800][step], 5, 7 if step >= 5 else 2000]
+            dtypes = ["torch.float32"] * 2 + ["torch.float64" if step >= 4 else "torch.float32", "torch.float32"]
+            assert [(d, [total] * n) for d, n in zip(dtypes, sizes)] == tensors, step
+
+
 # ---------------------------------------------------------------- sub-communicators
 def splits(comm):
     sub = comm.split(comm.rank % 2, key=-comm.rank)  # reversed order inside each colour

@@ -25,22 +25,54 @@ def test_pack_groups_by_dtype_and_bounds_bucket_bytes():
     assert all(bool((t == 3).all()) for t in tensors)
 
 
+def filled(packer, tensors, limit=1 << 20):
+    plan = packer.acquire(tensors, limit)
+    plan.fill()
+    return plan
+
+
 def test_packer_reuses_a_layout_only_for_the_same_tensors():
     packer = fusion.Packer()
     grads = [torch.full((5,), float(i)) for i in range(4)]
-    first = packer.acquire(grads, 1 << 20)
+    first = filled(packer, grads)
     assert first.buckets[0].flat.tolist() == [float(i) for i in range(4) for _ in range(5)]
-    assert packer.acquire(grads, 1 << 20) is not first  # still in flight: a fresh layout, never shared
+    assert filled(packer, grads) is not first  # still in flight: a fresh layout, never shared
     first.busy = False
     for g in grads:
         g.add_(10)
-    again = packer.acquire(grads, 1 << 20)
+    again = filled(packer, grads)
     assert again is first and again.buckets[0].flat[0].item() == 10.0  # same layout, current values
     again.busy = False
     grads[0].resize_(3)  # same address, other size: must not reuse
-    assert packer.acquire(grads, 1 << 20) is not first
+    assert filled(packer, grads) is not first
     other = [torch.ones(5) for _ in range(4)]
-    assert packer.acquire(other, 1 << 20) is not first
+    assert filled(packer, other) is not first
+
+
+def test_packer_finds_the_last_plan_again_only_for_the_same_unchanged_tensor_objects():
+    packer = fusion.Packer()
+    grads = [torch.full((5,), float(i)) for i in range(4)]
+    assert packer.again(grads, 1 << 20) is None  # nothing planned yet
+    plan = filled(packer, grads)
+    assert packer.again(grads, 1 << 20) is None  # in flight
+    plan.busy = False
+    assert packer.again(grads, 1 << 20) is plan and packer.again(tuple(grads), 1 << 20) is plan
+    assert packer.again(grads, 1 << 19) is None  # another bucket size
+    assert packer.again(grads[:3], 1 << 20) is None
+    assert packer.again(iter(grads), 1 << 20) is None  # (an iterator is not consumed by the look)
+    same_memory = [g.view(-1) for g in grads]  # other objects: the full lookup, which adopts them
+    assert packer.again(same_memory, 1 << 20) is None
+    assert packer.acquire(same_memory, 1 << 20) is plan and packer.again(same_memory, 1 << 20) is plan
+    same_memory[1].resize_(2)  # the same object, shrunk in place at the same address
+    assert packer.again(same_memory, 1 << 20) is None
+    same_memory[1].resize_(5)
+    same_memory[0].data = same_memory[0].data.view(torch.int32)  # the same object, address and size: another dtype
+    assert packer.again(same_memory, 1 << 20) is None
+    same_memory[0].data = same_memory[0].data.view(torch.float32)
+    assert packer.again(same_memory, 1 << 20) is plan
+    same_memory[2].set_(torch.zeros(5))  # the same object on other memory
+    assert packer.again(same_memory, 1 << 20) is None
+    assert packer.acquire(same_memory, 1 << 20) is not plan
 
 
 def test_bucket_size_must_be_positive():

@@ -9,7 +9,6 @@ methods), each returning a `Work` handle.
 from __future__ import annotations
 
 import math
-import operator
 import pickle
 import sys
 import time
@@ -230,28 +229,33 @@ class Communicator(ABC):
         `bucket_mb` bounds each flat buffer (default HPDL_FUSION_MB or 64).
         """
         self._check_open("allreduce_coalesced")
-        # Per-tensor Python is the cost here (200 gradients: every step): C-level maps where possible.
-        views: list[torch.Tensor]
-        if set(map(type, tensors)) <= _PLAIN_TENSOR:  # C-level: a third of a generator's cost per tensor
-            views = tensors if isinstance(tensors, list) else list(tensors)  # type: ignore[assignment,arg-type]
-        else:
-            views = [as_tensor(x, "allreduce_coalesced") for x in tensors]
-        if not all(map(torch.Tensor.is_contiguous, views)):
-            for t in views:
-                check_contiguous(t, "allreduce_coalesced")
-        for dtype in set(map(_DTYPE, views)):
+        # Per-tensor Python is the cost here (200 gradients: every step): C-level maps where possible, and the
+        # same tensors as last time skip the checks they passed then.
+        limit = fusion.bucket_bytes(bucket_mb)
+        plan = None if self._debug else self._packer.again(tensors, limit)
+        if plan is None:
+            views: list[torch.Tensor]
+            if set(map(type, tensors)) <= _PLAIN_TENSOR:  # C-level: a third of a generator's cost per tensor
+                views = tensors if isinstance(tensors, list) else list(tensors)  # type: ignore[assignment,arg-type]
+            else:
+                views = [as_tensor(x, "allreduce_coalesced") for x in tensors]
+            if not all(map(torch.Tensor.is_contiguous, views)):
+                for t in views:
+                    check_contiguous(t, "allreduce_coalesced")
+            plan = self._packer.acquire(views, limit)
+        for dtype in plan.dtypes:
             check_reduce_op(op, dtype, "allreduce_coalesced")
-        detail = f"op={op} tensors={len(views)}"
-        if self.debug:  # the shapes' digest costs ~1 us per tensor: only where it is compared
-            shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in views)
+        detail = f"op={op} tensors={len(plan.tensors)}"
+        if self._debug:  # the shapes' digest costs ~1 us per tensor: only where it is compared
+            shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in plan.tensors)
             detail += f" shapes={zlib.crc32(shapes.encode()):08x}"
-        plan = self._packer.acquire(views, fusion.bucket_bytes(bucket_mb))
+        plan.fill()
         try:
             seq = self._begin("allreduce_coalesced", None, detail, extra=plan.nbytes)
         except BaseException:
             plan.busy = False
             raise
-        parts = [self._allreduce(bucket.flat, op, seq) for bucket in plan.buckets]
+        parts = self._allreduce_flat([bucket.flat for bucket in plan.buckets], op, seq, async_op)
 
         def finish() -> list:
             for bucket in plan.buckets:
@@ -560,6 +564,11 @@ class Communicator(ABC):
     @abstractmethod
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work: ...
 
+    def _allreduce_flat(self, flats: list[torch.Tensor], op: str, seq: int, async_op: bool) -> list[Work]:
+        """Start the allreduce of each fused buffer of one coalesced call (an engine that can wait more cheaply
+        than a `Work` for a blocking caller finishes them there)."""
+        return [self._allreduce(flat, op, seq) for flat in flats]
+
     @abstractmethod
     def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work: ...
 
@@ -588,7 +597,6 @@ class Communicator(ABC):
     def _close(self) -> None: ...
 
 
-_DTYPE = operator.attrgetter("dtype")
 _PLAIN_TENSOR = frozenset({torch.Tensor})
 
 

@@ -104,9 +104,33 @@ class Plan:
     busy: bool = False
     nbytes: int = 0
     """Bytes of all the tensors together."""
+    tensors: tuple = ()
+    """The caller's tensor objects (kept alive: their ids cannot be reused while the plan is remembered)."""
+    pointers: list[int] = field(default_factory=list)
+    limit_bytes: int = 0
+    dtype_list: list[torch.dtype] = field(init=False)
+    dtypes: frozenset = field(init=False)
 
     def __post_init__(self) -> None:
         self.nbytes = sum(bucket.flat.numel() * bucket.flat.element_size() for bucket in self.buckets)
+        self.dtype_list = list(map(_DTYPE, self.tensors))
+        self.dtypes = frozenset(self.dtype_list)
+
+    def holds(self, tensors: Sequence[Any], limit_bytes: int) -> bool:
+        """Whether `tensors` are this plan's own tensor objects, unmoved, unresized, of the same dtype (what a
+        lookup compares, without building and hashing a key: an `is` per tensor instead)."""
+        return (
+            not self.busy and limit_bytes == self.limit_bytes and len(tensors) == len(self.tensors)
+            and all(map(operator.is_, tensors, self.tensors))
+            and list(map(_DATA_PTR, tensors)) == self.pointers and list(map(_NUMEL, tensors)) == self.numels
+            and list(map(_DTYPE, tensors)) == self.dtype_list
+        )  # fmt: skip
+
+    def fill(self) -> None:
+        """Copy the tensors' current values into the flat buffers; the plan is busy until they are unpacked."""
+        for bucket in self.buckets:
+            bucket.fill()
+        self.busy = True
 
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -119,27 +143,37 @@ class Packer:
 
     def __init__(self) -> None:
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self._last: Optional[Plan] = None
+
+    def again(self, tensors: Sequence[Any], limit_bytes: int) -> Optional[Plan]:
+        """The last plan when called again with the very same tensors (a training loop's gradients reduced in
+        place step after step: the caller's checks of the tensors held when it was made); else None."""
+        plan = self._last
+        if plan is None or type(tensors) not in (list, tuple) or not plan.holds(tensors, limit_bytes):
+            return None
+        return plan
 
     def acquire(self, tensors: Sequence[torch.Tensor], limit_bytes: int) -> Plan:
-        """A plan whose flat buffers hold the tensors' current values; `release` it after unpacking."""
+        """A plan for these tensors (remembered or new); `fill` it, and clear its `busy` after unpacking."""
         # A plan holds views of its tensors, so their memory cannot be reused by
         # others while it is remembered: equal addresses and sizes mean the same tensors.
-        key = (limit_bytes, *map(_DATA_PTR, tensors), *map(_DTYPE, tensors))  # C-level maps: ~0.1 us a tensor
+        pointers = list(map(_DATA_PTR, tensors))  # C-level maps: ~0.1 us a tensor
+        key = (limit_bytes, *pointers, *map(_DTYPE, tensors))
         plan = self._plans.get(key)
         numels = list(map(_NUMEL, tensors))
         if plan is not None and plan.numels != numels:
             plan = None  # resized in place
         if plan is None or plan.busy:  # new tensors, or the same ones still in flight
-            plan = Plan(pack(tensors, limit_bytes), numels)
+            plan = Plan(pack(tensors, limit_bytes), numels, tensors=tuple(tensors), pointers=pointers,
+                        limit_bytes=limit_bytes)  # fmt: skip
             if key not in self._plans:
                 self._plans[key] = plan
                 if len(self._plans) > PLANS_KEPT:
                     self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        for bucket in plan.buckets:
-            bucket.fill()
-        plan.busy = True
+            plan.tensors = tuple(tensors)  # maybe other objects on the same memory (new gradients): `again` looks
+        self._last = plan
         return plan
 
 

@@ -636,6 +636,32 @@ class MpiCommunicator(Communicator):
 
         return self._work("allreduce", seq, request, finish)
 
+    def _allreduce_flat(self, flats: list[torch.Tensor], op: str, seq: int, async_op: bool) -> list[Work]:
+        """A blocking caller's fused buffers below the gates go through the fast path's call, and the last one
+        is waited for there (in C without the GIL where compiled: 20-40 us less for 800 KB than a `Work`'s
+        loop of tests); the others as for any caller."""
+        if async_op or op == "avg":
+            return super()._allreduce_flat(flats, op, seq, async_op)
+        works = []
+        last = flats[-1] if flats else None
+        for flat in flats:
+            spec = self._fast_allreduce.get((flat.dtype, op))
+            nbytes = flat.nbytes
+            if spec is None or not flat.is_cpu or nbytes >= self._fast_allreduce_below:
+                works.append(self._allreduce(flat, op, seq))
+                continue
+            try:
+                request = self._call_allreduce(
+                    self._handle, flat.data_ptr(), nbytes, spec[0], spec[1], _WAIT if flat is last else _NO_WAIT
+                )
+            except MPI.Exception as exc:
+                raise self._engine_error("allreduce_coalesced", seq, exc) from exc
+            if request is None:
+                works.append(completed(self, "allreduce_coalesced", seq, flat))
+            else:
+                works.append(Work(self, "allreduce_coalesced", seq, request.Test, keep=flat))
+        return works
+
     def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Work:
         total = sum(sizes) * math.prod(t.shape[1:]) * t.element_size()
         if node := self._shared_memory("allgather", total, t):
