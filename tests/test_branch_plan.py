@@ -127,6 +127,17 @@ def test_the_cost_model_prices_the_busiest_rank_where_whole_branches_split_uneve
     assert tps == {1, 3}  # 4 branches on 3 ranks (one holds two): searched, and priced by its busiest rank
 
 
+def test_a_unit_of_branches_and_attention_heads_needs_a_branch_per_rank_and_tp_dividing_the_heads():
+    from hpdl.plan.profile import Layer
+
+    unit = Layer("block", 10, 1.0, 1.0, 1.0, tp_max=4, tp_branches=4, tp_heads=6)
+    assert [tp for tp in range(1, 9) if unit.tp_allows(tp)] == [1, 2, 3]  # 4 does not divide 6 heads
+    assert [tp for tp in range(1, 9) if Layer("b", 10, 1.0, 1.0, 1.0, tp_max=4, tp_branches=4).tp_allows(tp)] == [
+        1, 2, 3, 4,
+    ]  # fmt: skip
+    assert [tp for tp in range(1, 9) if Layer("attn", 10, 1.0, 1.0, 1.0, tp_max=6).tp_allows(tp)] == [1, 2, 3, 6]
+
+
 def reference(batches: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[float]]:
     """One process: the parameters after the steps, and the gradient norm before clipping at each step."""
     model = inception().double()

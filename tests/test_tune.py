@@ -57,6 +57,11 @@ def test_file_round_trip_merges_node_sizes_and_writes_never_as_null(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(where).st_mode & 0o777 == 0o644 & ~umask  # others who share the file can read it
+    timings = {"allreduce": [{"bytes": 64 * KIB}], "broadcast": [{"bytes": 1 * MIB}]}
+    tuning.write(where, tuning.new(MPI_NAME, 2, dict(shm.DEFAULT_THRESHOLDS), timings))
+    tuning.write(where, tuning.new(MPI_NAME, 2, dict(shm.DEFAULT_THRESHOLDS), {"broadcast": [{"bytes": 4}]}))
+    kept = tuning.read(where).measured
+    assert kept["2"] == {"allreduce": [{"bytes": 64 * KIB}], "broadcast": [{"bytes": 4}]}  # `--ops broadcast`
     tuning.write(where, tuning.new("Open MPI v5.0.5", 2, dict(shm.DEFAULT_THRESHOLDS), {}))
     assert set(tuning.read(where).per_node) == {2}  # another MPI library: the old entries do not apply
     assert tuning.read(str(tmp_path / "missing.json")) is None

@@ -107,6 +107,11 @@ def write(where: str, tuning: Tuning) -> None:
         old = None  # being replaced
     if old is not None and old.mpi == tuning.mpi:
         per_node = {**old.per_node, **per_node}
+        # per operation: a run of some operations (`--ops`) keeps the others' timings of that entry
+        measured = {
+            local: {**old.measured.get(local, {}), **ops} if isinstance(old.measured.get(local), dict) else ops
+            for local, ops in measured.items()
+        }
         measured = {**old.measured, **measured}
     data = {
         "format": FORMAT,

@@ -82,6 +82,9 @@ class Layer:
     """Convolutions and pools of a spatial layer that exchange halos (messages per boundary and direction)."""
     tp_branches: int = 0
     """Of a unit that holds a `Branches` block spread over tp (the style "branch"), its branch count; 0: none."""
+    tp_heads: int = 0
+    """Attention heads that tp must divide, where the unit also holds a `Branches` block (elsewhere `tp_max`
+    says it); 0: none."""
     tp_busiest: tuple[float, ...] = ()
     """Of a unit with `Branches` blocks, for tp = 1, 2, ...: the fraction of its tp-split FLOPs that the busiest
     tp rank runs (whole branches, placed by parameter count as a Plan places them); empty: 1 / tp."""
@@ -95,7 +98,7 @@ class Layer:
         """Whether degree `tp` can split this layer: whole branches need a branch per rank (3 ranks may hold 4
         branches: `tp_share` prices the busiest), attention heads must divide evenly."""
         if self.tp_branches:
-            return tp <= self.tp_max
+            return tp <= self.tp_max and (not self.tp_heads or self.tp_heads % tp == 0)
         return not self.tp_max or self.tp_max % tp == 0
 
     def tp_share(self, tp: int) -> float:
@@ -382,6 +385,7 @@ def measure(
                 tp_allreduce_bwd=sum(style in ("column", "qkv", "column_gather", "branch") for _, style in split),
                 tp_max=min(branch_counts + ([heads] if heads else [])) if branch_counts else (heads if tp_plan else 1),
                 tp_branches=min(branch_counts, default=0),
+                tp_heads=heads if branch_counts and tp_plan else 0,
                 tp_busiest=_busiest(blocks, tp_flops, 0, min(branch_counts, default=0)),
                 tp_busiest_params=_busiest(blocks, tp_params, 1, min(branch_counts, default=0)),
                 ops=ops[i],
