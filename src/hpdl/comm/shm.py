@@ -350,16 +350,20 @@ class NodeCollectives:
         block = result.numel()
         zero_copy = self._publish(flat)
         step = max(self._chunk(t.dtype) // self.local_size, 1)
+        me, blocks, dtype = self.local_rank, flat.view(self.local_size, block), t.dtype
         for start in range(0, max(block, 1), step):
             width = min(step, block - start)
-            if not zero_copy:  # stage the same columns of every block: [block 0 part | block 1 part | ...]
-                staged = self._stage[self.local_rank][: width * self.local_size * t.element_size()]
-                staged.view(t.dtype).view(self.local_size, width).copy_(
-                    flat.view(self.local_size, block)[:, start : start + width]
-                )
+            if not zero_copy:  # stage the same columns of the others' blocks: [block 0 part | block 1 part | ...]
+                staged = self._stage[me][: width * self.local_size * t.element_size()]
+                columns, wanted = staged.view(t.dtype).view(self.local_size, width), blocks[:, start : start + width]
+                columns[:me].copy_(wanted[:me])
+                columns[me + 1 :].copy_(wanted[me + 1 :])  # (this rank's own block is read where it is)
             self._sync("reduce_scatter: inputs")
             target = result[start : start + width]
-            parts = [self._block_part(rank, t.dtype, block, width, start) for rank in range(self.local_size)]
+            parts = [
+                blocks[me, start : start + width] if rank == me else self._block_part(rank, dtype, block, width, start)
+                for rank in range(self.local_size)
+            ]
             acc = parts[self.local_rank].float() if t.dtype in _HALF else target
             if acc is target:
                 target.copy_(parts[self.local_rank])
@@ -393,6 +397,8 @@ class NodeCollectives:
         counts = [n * row for n in sizes]
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
         flat, result = t.reshape(-1), out.view(-1)
+        # in place (this rank's input is its own block of `out`: FSDP2's all-gather): that block stays as it is
+        mine_in_place = flat.data_ptr() == result.data_ptr() + starts[self.local_rank] * t.element_size()
         zero_copy = self._publish(flat)
         step = self._chunk(t.dtype)
         for start in range(0, max(max(counts), 1), step):
@@ -400,7 +406,7 @@ class NodeCollectives:
             self._sync("allgather: inputs")
             for rank in range(self.local_size):
                 width = max(min(step, counts[rank] - start), 0)
-                if width and (rank != self.local_rank or result.data_ptr() != flat.data_ptr()):
+                if width and (rank != self.local_rank or not mine_in_place):
                     source = self._sources(t.dtype, start, width)[rank]
                     result[starts[rank] + start : starts[rank] + start + width].copy_(source)
             self._sync("allgather: inputs read")
