@@ -19,6 +19,7 @@ SHM_FORCED = {
     "HPDL_SHM_MIN_ALLGATHER": "0",
     "HPDL_SHM_MIN_BROADCAST": "0",
     "HPDL_SHM_MB": "0.25",  # 256 KB of staging per rank: every larger tensor goes through in pieces
+    "HPDL_SHM_PIECE_MB": "0.0625",  # of 64 KB, staged round the segment's 4 slots
 }
 """Every collective through the shared-memory engine: one environment for test_collectives and
 test_shared_memory, which run on one pytest worker (conftest.SHARED_POOLS) and so share its rank pools."""

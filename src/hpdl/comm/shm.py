@@ -24,11 +24,12 @@ local rank drives its own slice over the network in parallel.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 import os
 import time
 from array import array
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -71,11 +72,15 @@ _MB = 1024 * 1024
 # (one copy from each peer's memory) was as fast or faster at every size in
 # `hpdl tune` twice (1.0-2.7x) and 1.3-5.4x faster in place (FSDP2's
 # all-gathers; 16-128 MiB of output, one call between barriers, two runs).
+# Reduce-scatter of ordinary tensors moved from 64 MiB to 8 MiB the same day,
+# once a rank stopped staging its own block and pieces went round the staging
+# segment: 0.77x MPI at 8 MiB and 0.62x at 32 MiB (one call between barriers),
+# 0.72-0.86x from 1 MiB to 32 MiB in `hpdl tune`'s tight loops.
 # HPDL_SHM_MIN_<OP>=bytes overrides both numbers of one operation.
 NEVER = 1 << 62
 DEFAULT_THRESHOLDS = {
     "allreduce": (2 * _MB, 8 * _MB),
-    "reduce_scatter": (2 * _MB, 64 * _MB),
+    "reduce_scatter": (2 * _MB, 8 * _MB),
     "allgather": (16 * _MB, NEVER),
     "broadcast": (NEVER, NEVER),
 }
@@ -296,14 +301,15 @@ class NodeCollectives:
         self._sync("shared-memory path agreement")
         return all(words[1] >= 0 for words in self._words)
 
-    def _sources(self, dtype: torch.dtype, start: int, count: int) -> list[torch.Tensor]:
-        """Every rank's data for elements [start, start + count) of the operation (read after the first sync)."""
+    def _sources(self, dtype: torch.dtype, start: int, count: int, at: int) -> list[torch.Tensor]:
+        """Every rank's data for elements [start, start + count) of the operation (read after the first sync);
+        staged data is at byte `at` of each rank's segment."""
         sources = []
         itemsize = torch.empty(0, dtype=dtype).element_size()
         for rank in range(self.local_size):
             index, offset = self._words[rank][1], self._words[rank][2]
             if index < 0:
-                sources.append(self._stage[rank][: count * itemsize].view(dtype))
+                sources.append(self._stage[rank][at : at + count * itemsize].view(dtype))
             else:
                 sources.append(self._sources_of(index, rank, dtype)[offset + start : offset + start + count])
         return sources
@@ -313,9 +319,17 @@ class NodeCollectives:
         `piece` bytes, so that what a rank copies in is still in cache when it is reduced and copied out."""
         return max(min(self.segment, self.piece) // torch.empty(0, dtype=dtype).element_size(), 1)
 
-    def _stage_in(self, zero_copy: bool, piece: torch.Tensor) -> None:
+    def _stage_in(self, zero_copy: bool, piece: torch.Tensor, at: int) -> None:
         if not zero_copy:
-            self._stage[self.local_rank][: piece.numel() * piece.element_size()].view(piece.dtype).copy_(piece)
+            self._stage[self.local_rank][at : at + piece.numel() * piece.element_size()].view(piece.dtype).copy_(piece)
+
+    def _slots(self, dtype: torch.dtype, elements: int) -> Iterator[int]:
+        """Byte offsets in the staging segments for an operation's successive pieces of at most `elements`: round
+        the whole segment, not always its start. A rank that overwrites what a peer read a moment ago waits for
+        the peer's cache to give the lines up: staging 64 MiB through the segment's first 4 MB took 25-50 ms in
+        most runs on a 2-core VM, 5-13 ms round the segment (fast runs: 5-6 ms either way)."""
+        size = elements * torch.empty(0, dtype=dtype).element_size()
+        return itertools.cycle(range(0, max(self.segment // max(size, 1), 1) * size, size))
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, t: torch.Tensor, op: str, across: Optional[Callable[[torch.Tensor, str], None]] = None) -> None:
@@ -327,11 +341,12 @@ class NodeCollectives:
         flat = t.view(-1)
         zero_copy = self._publish(flat)
         step = self._chunk(t.dtype)
+        slots = self._slots(t.dtype, step)
         for start in range(0, max(flat.numel(), 1), step):
-            piece = flat[start : start + step]
-            self._stage_in(zero_copy, piece)
+            piece, at = flat[start : start + step], next(slots)
+            self._stage_in(zero_copy, piece, at)
             self._sync("allreduce: inputs")
-            sources = self._sources(t.dtype, start, piece.numel())
+            sources = self._sources(t.dtype, start, piece.numel(), at)
             lo, hi = _bounds(piece.numel(), self.local_size, self.local_rank)
             mine = sources[self.local_rank][lo:hi]
             acc = mine.float() if t.dtype in _HALF else mine  # 16-bit floats accumulate in float32
@@ -355,17 +370,20 @@ class NodeCollectives:
         zero_copy = self._publish(flat)
         step = max(self._chunk(t.dtype) // self.local_size, 1)
         me, blocks, dtype = self.local_rank, flat.view(self.local_size, block), t.dtype
+        slots = self._slots(dtype, step * self.local_size)
         for start in range(0, max(block, 1), step):
-            width = min(step, block - start)
+            width, at = min(step, block - start), next(slots)
             if not zero_copy:  # stage the same columns of the others' blocks: [block 0 part | block 1 part | ...]
-                staged = self._stage[me][: width * self.local_size * t.element_size()]
+                staged = self._stage[me][at : at + width * self.local_size * t.element_size()]
                 columns, wanted = staged.view(t.dtype).view(self.local_size, width), blocks[:, start : start + width]
                 columns[:me].copy_(wanted[:me])
                 columns[me + 1 :].copy_(wanted[me + 1 :])  # (this rank's own block is read where it is)
             self._sync("reduce_scatter: inputs")
             target = result[start : start + width]
             parts = [
-                blocks[me, start : start + width] if rank == me else self._block_part(rank, dtype, block, width, start)
+                blocks[me, start : start + width]
+                if rank == me
+                else self._block_part(rank, dtype, block, width, start, at)
                 for rank in range(self.local_size)
             ]
             acc = parts[self.local_rank].float() if t.dtype in _HALF else target
@@ -377,11 +395,11 @@ class NodeCollectives:
                 target.copy_(acc)
             self._sync("reduce_scatter: inputs read")
 
-    def _block_part(self, rank: int, dtype: torch.dtype, block: int, width: int, start: int) -> torch.Tensor:
-        """Rank `rank`'s copy of this rank's block, elements [start, start + width) of it."""
+    def _block_part(self, rank: int, dtype: torch.dtype, block: int, width: int, start: int, at: int) -> torch.Tensor:
+        """Rank `rank`'s copy of this rank's block, elements [start, start + width) of it (staged at byte `at`)."""
         index, offset = self._words[rank][1], self._words[rank][2]
         if index < 0:
-            staged = self._stage[rank][: width * self.local_size * torch.empty(0, dtype=dtype).element_size()]
+            staged = self._stage[rank][at : at + width * self.local_size * torch.empty(0, dtype=dtype).element_size()]
             return staged.view(dtype).view(self.local_size, width)[self.local_rank]
         begin = offset + self.local_rank * block + start
         return self._sources_of(index, rank, dtype)[begin : begin + width]
@@ -405,13 +423,15 @@ class NodeCollectives:
         mine_in_place = flat.data_ptr() == result.data_ptr() + starts[self.local_rank] * t.element_size()
         zero_copy = self._publish(flat)
         step = self._chunk(t.dtype)
+        slots = self._slots(t.dtype, step)
         for start in range(0, max(max(counts), 1), step):
-            self._stage_in(zero_copy, flat[start : start + max(min(step, counts[self.local_rank] - start), 0)])
+            at = next(slots)
+            self._stage_in(zero_copy, flat[start : start + max(min(step, counts[self.local_rank] - start), 0)], at)
             self._sync("allgather: inputs")
             for rank in range(self.local_size):
                 width = max(min(step, counts[rank] - start), 0)
                 if width and (rank != self.local_rank or not mine_in_place):
-                    source = self._sources(t.dtype, start, width)[rank]
+                    source = self._sources(t.dtype, start, width, at)[rank]
                     result[starts[rank] + start : starts[rank] + start + width].copy_(source)
             self._sync("allgather: inputs read")
 
@@ -420,13 +440,14 @@ class NodeCollectives:
         flat = t.view(-1)
         zero_copy = self._publish(flat)
         step = self._chunk(t.dtype)
+        slots = self._slots(t.dtype, step)
         for start in range(0, max(flat.numel(), 1), step):
-            piece = flat[start : start + step]
+            piece, at = flat[start : start + step], next(slots)
             if self.local_rank == root:
-                self._stage_in(zero_copy, piece)
+                self._stage_in(zero_copy, piece, at)
             self._sync("broadcast: input")
             if self.local_rank != root:
-                piece.copy_(self._sources(t.dtype, start, piece.numel())[root])
+                piece.copy_(self._sources(t.dtype, start, piece.numel(), at)[root])
             self._sync("broadcast: input read")
 
     def close(self) -> None:
