@@ -330,7 +330,9 @@ class NodeCollectives:
         """Byte offsets in the staging segments for an operation's successive pieces of at most `elements`: round
         the whole segment, not always its start. A rank that overwrites what a peer read a moment ago waits for
         the peer's cache to give the lines up: staging 64 MiB through the segment's first 4 MB took 25-50 ms in
-        most runs on a 2-core VM, 5-13 ms round the segment (fast runs: 5-6 ms either way)."""
+        most runs on a 2-core VM, 5-13 ms round the segment. In runs where the start stayed fast it was the
+        faster (allreduce 0.32-0.44x MPI's time at 32-128 MiB, against 0.51-0.61x), but it lost to MPI in the
+        others (1.0-1.2x at 64-256 MiB), and round the segment never did (docs/comm.md)."""
         size = elements * torch.empty(0, dtype=dtype).element_size()
         return itertools.cycle(range(0, max(self.segment // max(size, 1), 1) * size, size))
 
