@@ -404,23 +404,3 @@ def blocking_call_beside_another_thread(comm: Any) -> tuple:
         return x.tolist(), None if got is None else got.tolist()
     finally:
         group.comm.timeout = timeout
-
-
-def issue_while_the_previous_waits(comm: Any) -> tuple:
-    """DDP's pattern: a bucket's all_reduce is issued while the previous one is still waiting for a late rank
-    (here the last rank joins after a second). Rank 0 times how long issuing the second one took (it is queued,
-    not waited for: the caller goes on computing), then both complete with the right sums, in issue order."""
-    import time
-
-    groups()
-    first, second = torch.full((1000,), float(dist.get_rank() + 1)), torch.full((3,), float(dist.get_rank() + 1))
-    if dist.get_rank() == dist.get_world_size() - 1:
-        time.sleep(1.0)
-    one = dist.all_reduce(first, async_op=True)
-    started = time.perf_counter()
-    two = dist.all_reduce(second, async_op=True)
-    issued = time.perf_counter() - started
-    two.wait()
-    one_done_first = one.is_completed()
-    one.wait()
-    return issued, one_done_first, first.tolist()[:2], second.tolist()

@@ -7,10 +7,7 @@ calls into it, so:
 
 - every operation is *started* on the thread that issues it, at once, under
   one lock: hpdl posts its non-blocking MPI calls (or runs a shared-memory
-  collective) in exactly the order the program issued them; a collective
-  issued while the group's previous one (or a future's callbacks) is still
-  running is queued instead, and started by whichever thread completes that
-  one, so that the issuing thread (DDP's backward) goes on computing;
+  collective) in exactly the order the program issued them;
 - one progress thread tests the operations in flight, runs their finishing
   step (copy-backs) and completes their futures;
 - a Python `work.wait()` drives progress itself (the same loop), so a
@@ -26,7 +23,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
@@ -125,9 +121,6 @@ class Progress:
         self._last_collective: dict[int, HpdlWork] = {}
         """Per communicator (by id): MPI matches collectives per communicator, so only their order within a group
         must be the same on every rank; two groups' collectives may interleave differently on different ranks."""
-        self._queued: dict[int, deque[tuple[Communicator, Callable[[], Started], Any, float]]] = {}
-        """Per communicator (by id): collectives issued while its last one had not completed, in issue order,
-        with the time each was issued (a queued one fails after the communicator's timeout)."""
         self._deep_sleep = True
 
     @property
@@ -140,19 +133,14 @@ class Progress:
 
         A collective starts only once the previous collective has completed *and* its future's callbacks
         have run: a callback may issue collectives of its own (DDP comm hooks, PowerSGD), and they must
-        take the same place in the sequence on every rank. Until then it is queued (its argument errors
-        then come from `wait()`) and the issuing thread goes on: DDP's next bucket must not stall the
-        backward pass that computes the buckets after it. Point-to-point operations are not held back
-        (both peers may send before they receive).
+        take the same place in the sequence on every rank. Overlap with computation is kept (the
+        operation still runs while the issuing thread computes); point-to-point operations are not held
+        back (both peers may send before they receive).
         """
         in_callback = get_ident() in self._callback_threads
+        if not p2p and not in_callback:
+            self._wait_for_sequence(comm)
         with self._cond:
-            if not p2p and not in_callback and self._must_queue(comm):
-                self._queued.setdefault(id(comm), deque()).append((comm, start, handle, time.monotonic()))
-                self._ensure_thread()
-                if self._deep_sleep:
-                    self._cond.notify()
-                return handle
             parts, finish = start()
             pending = _Pending(parts, finish, handle, comm, p2p)
             if not p2p:
@@ -188,7 +176,8 @@ class Progress:
         general = done = False
         error: Optional[BaseException] = None
         with self._cond:
-            if self._inflight or self._queued or self._must_queue(comm):
+            previous = self._last_collective.get(id(comm))
+            if self._inflight or self._callback_threads or (previous is not None and not previous._done):
                 general = True
             else:
                 work = begin()  # errors in the arguments raise here, as in submit
@@ -215,54 +204,33 @@ class Progress:
         if self._deep_sleep:
             self._cond.notify()
 
-    def _must_queue(self, comm: Communicator) -> bool:
-        """Whether a collective of `comm` must wait for the group's earlier ones (under the lock): one still
-        queued or running, or a future's callbacks running on some thread (a callback chain such as PowerSGD's
-        issues its next collective only after the one before it completed, and that one comes first)."""
-        previous = self._last_collective.get(id(comm))
-        return bool(id(comm) in self._queued or self._callback_threads or (previous is not None and not previous._done))
-
-    def _start_queued(self) -> None:
-        """Start every queued collective whose group has nothing running any more (called once the callbacks of
-        what completed have run); fail those queued longer than their communicator's timeout."""
-        if not self._queued or self._callback_threads:
-            return
-        failed: list[tuple[Any, Any, Optional[BaseException]]] = []
-        with self._cond:
-            for key in list(self._queued):
-                queue = self._queued[key]
-                while queue:
-                    comm, start, handle, issued = queue[0]
-                    previous = self._last_collective.get(key)
-                    if previous is not None and not previous._done:
-                        if time.monotonic() - issued > comm.timeout:
-                            queue.popleft()
-                            failed.append((handle, None, CommTimeoutError(
-                                f"a collective waited {comm.timeout:g} s for the group's previous one (or a torch "
-                                "future's callback, a DDP comm hook?) to finish; it is issued only after it so that "
-                                "every rank issues collectives in the same order"
-                            )))  # fmt: skip
-                            continue
-                        break
-                    queue.popleft()
-                    try:
-                        parts, finish = start()
-                    except BaseException as exc:  # the arguments' error goes to the waiting side
-                        failed.append((handle, None, exc))
-                        continue
-                    self._last_collective[key] = handle
-                    self._track(_Pending(parts, finish, handle, comm, False))
-                if not queue:
-                    del self._queued[key]
-        self._deliver(failed)
+    def _wait_for_sequence(self, comm: Communicator) -> None:
+        """Until the group's last collective is done and no thread is running futures' callbacks: a callback
+        chain (PowerSGD: allreduce, then P, then Q) issues its next collective only after the one before it has
+        completed, and that collective must come before this one on every rank."""
+        key = id(comm)
+        previous = self._last_collective.get(key)
+        if (previous is None or previous._done) and not self._callback_threads:
+            return  # the common case, checked without the lock (a work is done once its callbacks have run)
+        timeout = comm.timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            previous = self._last_collective.get(key)
+            if previous is not None:
+                self.wait(previous)
+            with self._cond:
+                if not self._callback_threads and self._last_collective.get(key) is previous:
+                    return
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"a torch future's callback (a DDP comm hook?) has run for over {timeout:g} s; the next "
+                    "collective waits for it so that every rank issues collectives in the same order"
+                )
+            time.sleep(POLL_SECONDS)
 
     def forget(self, comm: Communicator) -> None:
-        """Drop a closed group's last collective (it holds that call's tensors); its queued ones fail."""
-        with self._cond:
-            self._last_collective.pop(id(comm), None)
-            queued = self._queued.pop(id(comm), deque())
-        self._deliver([(entry[2], None, RuntimeError("the process group was destroyed before this collective started"))
-                       for entry in queued])  # fmt: skip
+        """Drop a closed group's last collective (it holds that call's tensors)."""
+        self._last_collective.pop(id(comm), None)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` (which uses a communicator) under the lock, between operations."""
@@ -280,7 +248,6 @@ class Progress:
             while not handle._done:
                 finished = self._poll()
                 self._deliver(finished)
-                self._start_queued()
                 if not finished and not handle._done and not self._has(handle):
                     time.sleep(POLL_SECONDS)  # another thread holds its result and is delivering it
         finally:
@@ -361,19 +328,13 @@ class Progress:
         while True:
             with self._cond:
                 idle_since = time.perf_counter()
-                while not self._inflight and not self._queued:
+                while not self._inflight:
                     # Idle: look again every tick (so that issuing an operation needs no wake-up call),
                     # and after a while sleep until `submit` wakes this thread.
                     self._deep_sleep = time.perf_counter() - idle_since > DEEP_SLEEP_AFTER
                     self._cond.wait(None if self._deep_sleep else TICK_SECONDS)
                 self._deep_sleep = False
-                only_queued = not self._inflight  # (their group's last callbacks still run on another thread)
-                if not only_queued:
-                    oldest, newest = self._inflight[0].started, self._inflight[-1].started
-            if only_queued:
-                self._start_queued()
-                time.sleep(POLL_SECONDS)
-                continue
+                oldest, newest = self._inflight[0].started, self._inflight[-1].started
             now = time.perf_counter()
             if self._waiters:
                 # A thread waits in wait() and drives progress itself: stay out of its way (every
@@ -384,7 +345,6 @@ class Progress:
                 time.sleep(GRACE_SECONDS)
                 continue
             self._deliver(self._poll())
-            self._start_queued()
             if now - oldest <= SPIN_SECONDS:
                 time.sleep(0)
             elif others.busy():
