@@ -326,14 +326,13 @@ class NodeCollectives:
         if not zero_copy:
             self._stage[self.local_rank][at : at + piece.numel() * piece.element_size()].view(piece.dtype).copy_(piece)
 
-    def _slots(self, dtype: torch.dtype, elements: int) -> Iterator[int]:
-        """Byte offsets in the staging segments for an operation's successive pieces of at most `elements`: round
+    def _slots(self, size: int) -> Iterator[int]:
+        """Byte offsets in the staging segments for an operation's successive pieces of at most `size` bytes: round
         the whole segment, not always its start. A rank that overwrites what a peer read a moment ago waits for
         the peer's cache to give the lines up: staging 64 MiB through the segment's first 4 MB took 25-50 ms in
         most runs on a 2-core VM, 5-13 ms round the segment. In runs where the start stayed fast it was the
         faster (allreduce 0.32-0.44x MPI's time at 32-128 MiB, against 0.51-0.61x), but it lost to MPI in the
         others (1.0-1.2x at 64-256 MiB), and round the segment never did (docs/comm.md)."""
-        size = elements * torch.empty(0, dtype=dtype).element_size()
         return itertools.cycle(range(0, max(self.segment // max(size, 1), 1) * size, size))
 
     # ------------------------------------------------------------------ collectives
@@ -346,7 +345,7 @@ class NodeCollectives:
         flat = t.view(-1)
         zero_copy = self._publish(flat)
         step = self._chunk(t.dtype)
-        slots = self._slots(t.dtype, step)
+        slots = self._slots(step * t.element_size())
         for start in range(0, max(flat.numel(), 1), step):
             piece, at = flat[start : start + step], next(slots)
             self._stage_in(zero_copy, piece, at)
@@ -375,7 +374,7 @@ class NodeCollectives:
         zero_copy = self._publish(flat)
         step = max(self._chunk(t.dtype) // self.local_size, 1)
         me, blocks, dtype = self.local_rank, flat.view(self.local_size, block), t.dtype
-        slots = self._slots(dtype, step * self.local_size)
+        slots = self._slots(step * self.local_size * t.element_size())
         for start in range(0, max(block, 1), step):
             width, at = min(step, block - start), next(slots)
             if not zero_copy:  # stage the same columns of the others' blocks: [block 0 part | block 1 part | ...]
@@ -428,7 +427,7 @@ class NodeCollectives:
         mine_in_place = flat.data_ptr() == result.data_ptr() + starts[self.local_rank] * t.element_size()
         zero_copy = self._publish(flat)
         step = self._chunk(t.dtype)
-        slots = self._slots(t.dtype, step)
+        slots = self._slots(step * t.element_size())
         for start in range(0, max(max(counts), 1), step):
             at = next(slots)
             self._stage_in(zero_copy, flat[start : start + max(min(step, counts[self.local_rank] - start), 0)], at)
@@ -445,7 +444,7 @@ class NodeCollectives:
         flat = t.view(-1)
         zero_copy = self._publish(flat)
         step = self._chunk(t.dtype)
-        slots = self._slots(t.dtype, step)
+        slots = self._slots(step * t.element_size())
         for start in range(0, max(flat.numel(), 1), step):
             piece, at = flat[start : start + step], next(slots)
             if self.local_rank == root:
