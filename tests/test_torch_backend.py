@@ -71,6 +71,22 @@ def test_a_blocking_call_leaves_other_threads_free_to_issue_theirs(pool):
         assert received == ([7.0] * 4 if rank == 1 else None)
 
 
+def test_collectives_start_at_once_and_callbacks_keep_their_place(pool):
+    """Found measuring DDP: the backend made the issuing thread wait for the group's previous collective before
+    starting the next, so DDP's next bucket stalled the backward pass. Now only a future with Python callbacks
+    holds later collectives back (a callback may issue one); see the body for the cases."""
+    k = pool.nprocs
+    total = float(k * (k + 1) // 2)
+    results = pool.run(bodies.issue_order_with_a_late_rank, timeout=60)
+    for rank, out in enumerate(results):
+        if rank == 0:
+            assert out["issue seconds"] < bodies.LATE_SECONDS / 4, out["issue seconds"]
+        assert out["in flight together"] == ([total] * 2, [total] * 3)
+        assert out["callback issues one"] == ([total] * 5, [total] * 3, [total] * 7)
+        assert out["callback waits for a later one"] == ([total] * 4, [total] * 6)
+        assert out["destroyed in flight"] == ([total] * 2, [total] * 8)
+
+
 def test_functional_collectives_equal_gloo(pool):
     for mine, theirs in zip(pool.run(bodies.functional, "hpdl"), pool.run(bodies.functional, "gloo")):
         _same(mine, theirs)

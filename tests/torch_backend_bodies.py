@@ -404,3 +404,60 @@ def blocking_call_beside_another_thread(comm: Any) -> tuple:
         return x.tolist(), None if got is None else got.tolist()
     finally:
         group.comm.timeout = timeout
+
+
+LATE_SECONDS = 0.5
+
+
+def issue_order_with_a_late_rank(comm: Any) -> dict:
+    """The last rank joins each case LATE_SECONDS late, so that the others' first collective is still in flight:
+
+    - DDP's pattern: a second all_reduce is issued meanwhile; rank 0 times the issue (it starts at once, the
+      caller goes on computing; the backend used to wait for the first one);
+    - a future's callback issues a collective: on every rank it comes before the collective issued after
+      `then` (it ran at once where the first was already complete); sizes differ, so another order raises;
+    - a callback waits for a collective issued after the one it is attached to (it hung a queued design);
+    - a sub-group is destroyed with two of its collectives in flight (a queued design ran its exit barrier
+      against a collective on the other rank).
+    """
+    import time
+
+    groups()
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def value(n: int) -> torch.Tensor:
+        if rank == size - 1:
+            time.sleep(LATE_SECONDS / 4)  # (each case's total delay is about LATE_SECONDS)
+        return torch.full((n,), float(rank + 1))
+
+    out: dict = {}
+    first, second = value(1000), value(3)
+    time.sleep(LATE_SECONDS / 2 if rank == size - 1 else 0.0)
+    one = dist.all_reduce(first, async_op=True)
+    started = time.perf_counter()
+    two = dist.all_reduce(second, async_op=True)
+    out["issue seconds"] = time.perf_counter() - started
+    two.wait()
+    one.wait()
+    out["in flight together"] = (first[:2].tolist(), second.tolist())
+
+    a, b, c = value(5), value(3), value(7)
+    work = dist.all_reduce(a, async_op=True)
+    chained = work.get_future().then(lambda f: dist.all_reduce(b))
+    dist.all_reduce(c)
+    chained.wait()
+    out["callback issues one"] = (a.tolist(), b.tolist(), c.tolist())
+
+    x, y = value(4), value(6)
+    w1, w2 = dist.all_reduce(x, async_op=True), dist.all_reduce(y, async_op=True)
+    w1.get_future().then(lambda f: w2.wait()).wait()
+    out["callback waits for a later one"] = (x.tolist(), y.tolist())
+
+    sub = dist.new_group(list(range(size)))
+    p, q = value(2), value(8)
+    works = [dist.all_reduce(p, group=sub, async_op=True), dist.all_reduce(q, group=sub, async_op=True)]
+    dist.destroy_process_group(sub)
+    for w in works:
+        w.wait()
+    out["destroyed in flight"] = (p.tolist(), q.tolist())
+    return out

@@ -37,6 +37,8 @@ class HpdlWork(Protocol):
     """What progress needs of a handle: `work.HpdlWork`, whose module imports this one."""
 
     _done: bool
+    _chained: bool
+    _group: Optional[int]
 
     def _complete(self, result: Any, error: Optional[BaseException]) -> None: ...
 
@@ -119,8 +121,11 @@ class Progress:
         """Threads running futures' callbacks now (set.add/discard/in are atomic: no lock per delivery)."""
         self._thread: Optional[threading.Thread] = None
         self._last_collective: dict[int, HpdlWork] = {}
-        """Per communicator (by id): MPI matches collectives per communicator, so only their order within a group
-        must be the same on every rank; two groups' collectives may interleave differently on different ranks."""
+        """Per communicator (by id): the blocking fast path (`submit_one`) is taken only when it is done."""
+        self._chained: dict[int, dict[int, HpdlWork]] = {}
+        """Per communicator (by id): its operations (by id) whose futures have Python callbacks not run yet (see
+        `submit`). MPI matches collectives per communicator, so only their order within a group must be the same
+        on every rank; two groups' collectives may interleave differently on different ranks."""
         self._deep_sleep = True
 
     @property
@@ -131,18 +136,20 @@ class Progress:
     def submit(self, comm: Communicator, start: Callable[[], Started], handle: Handle, p2p: bool = False) -> Handle:
         """Start an operation now (errors in its arguments raise here) and complete `handle` when it finishes.
 
-        A collective starts only once the previous collective has completed *and* its future's callbacks
-        have run: a callback may issue collectives of its own (DDP comm hooks, PowerSGD), and they must
-        take the same place in the sequence on every rank. Overlap with computation is kept (the
-        operation still runs while the issuing thread computes); point-to-point operations are not held
-        back (both peers may send before they receive).
+        A collective starts only once every earlier one of its group whose future has Python callbacks
+        (`then`, `add_done_callback`) has completed *and* run them: a callback may issue collectives of its own (DDP
+        comm hooks, PowerSGD), and they must take the same place in the sequence on every rank. Any other
+        collective starts at once, with earlier ones still in flight: DDP's reducer (no callbacks) issues
+        the next bucket while the last one is in flight and goes on with the backward pass. Point-to-point
+        operations are never held back (both peers may send before they receive).
         """
         in_callback = get_ident() in self._callback_threads
-        if not p2p and not in_callback:
-            self._wait_for_sequence(comm)
+        if not p2p and not in_callback and self._chained.get(id(comm)):
+            self._wait_for_callbacks(comm)
         with self._cond:
             parts, finish = start()
             pending = _Pending(parts, finish, handle, comm, p2p)
+            handle._group = id(comm)
             if not p2p:
                 self._last_collective[id(comm)] = handle
             if not self._inflight:  # nothing earlier to finish first: small messages often complete here
@@ -182,6 +189,7 @@ class Progress:
             else:
                 work = begin()  # errors in the arguments raise here, as in submit
                 self._last_collective[id(comm)] = handle
+                handle._group = id(comm)
                 try:
                     seconds = ALONE_SECONDS if blocking else QUICK_SPIN_SECONDS if nbytes <= QUICK_BYTES else 0.0
                     done = work.is_completed() or (
@@ -204,33 +212,45 @@ class Progress:
         if self._deep_sleep:
             self._cond.notify()
 
-    def _wait_for_sequence(self, comm: Communicator) -> None:
-        """Until the group's last collective is done and no thread is running futures' callbacks: a callback
-        chain (PowerSGD: allreduce, then P, then Q) issues its next collective only after the one before it has
-        completed, and that collective must come before this one on every rank."""
-        key = id(comm)
-        previous = self._last_collective.get(key)
-        if (previous is None or previous._done) and not self._callback_threads:
-            return  # the common case, checked without the lock (a work is done once its callbacks have run)
-        timeout = comm.timeout
-        deadline = time.monotonic() + timeout
+    def chained(self, handle: HpdlWork) -> None:
+        """`handle`'s future got a Python callback: collectives issued from now on wait until it has run."""
+        with self._cond:
+            if not handle._done and handle._group is not None:
+                handle._chained = True
+                self._chained.setdefault(handle._group, {})[id(handle)] = handle
+
+    def unchained(self, handle: HpdlWork) -> None:
+        """`handle` is complete and its future's callbacks have run."""
+        with self._cond:
+            if handle._group is not None:
+                self._chained.get(handle._group, {}).pop(id(handle), None)
+
+    def _wait_for_callbacks(self, comm: Communicator) -> None:
+        """Until every operation of the group whose future has Python callbacks is complete and has run them.
+        A callback chain (PowerSGD:
+        allreduce, then P, then Q) issues its next collective only after the one before it has completed, and
+        that collective must come before this one on every rank: on a rank where the chained operation was
+        already complete, `then` ran the callback at once, before this call was issued."""
+        deadline = time.monotonic() + comm.timeout
         while True:
-            previous = self._last_collective.get(key)
-            if previous is not None:
-                self.wait(previous)
             with self._cond:
-                if not self._callback_threads and self._last_collective.get(key) is previous:
+                chained = self._chained.get(id(comm), {})
+                waiting = [handle for handle in chained.values() if not handle._done]
+                if not waiting:
+                    chained.clear()
                     return
+            for handle in waiting:
+                self.wait(handle)
             if time.monotonic() > deadline:
                 raise CommTimeoutError(
-                    f"a torch future's callback (a DDP comm hook?) has run for over {timeout:g} s; the next "
+                    f"a torch future's callback (a DDP comm hook?) has run for over {comm.timeout:g} s; the next "
                     "collective waits for it so that every rank issues collectives in the same order"
                 )
-            time.sleep(POLL_SECONDS)
 
     def forget(self, comm: Communicator) -> None:
         """Drop a closed group's last collective (it holds that call's tensors)."""
         self._last_collective.pop(id(comm), None)
+        self._chained.pop(id(comm), None)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` (which uses a communicator) under the lock, between operations."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,8 @@ class HpdlWork(dist._Work):
     _resolved = False
     _future: Optional[torch.futures.Future] = None  # made on first use: most calls never ask for it
     _error: Optional[BaseException] = None
+    _chained = False  # its future has Python callbacks not run yet (set by progress.chained)
+    _group: Optional[int] = None  # the communicator it runs on, by id (set by progress when started)
     sender: Optional[int] = None
 
     def __init__(self, outputs: Any = None) -> None:
@@ -59,7 +62,7 @@ class HpdlWork(dist._Work):
     def get_future(self) -> torch.futures.Future:
         with _FUTURES:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future = _WatchedFuture(self)
                 if self._resolved:  # finished before anyone asked: no callbacks yet, resolve it here
                     self._resolve(self._future)
             return self._future
@@ -89,12 +92,40 @@ class HpdlWork(dist._Work):
                 self._resolve(future)
         finally:
             self._done = True
+            if self._chained:
+                progress.unchained(self)
 
     def _resolve(self, future: torch.futures.Future) -> None:
         if self._error is None:
             future.set_result(self._outputs)
         else:
             future.set_exception(self._error)
+
+
+class _WatchedFuture(torch.futures.Future):
+    """A work's future that tells progress when Python code gives it a callback.
+
+    Such a callback may issue collectives (DDP comm hooks, PowerSGD), so later collectives wait until it has
+    run; a future with none (DDP's own allreduce, FSDP2's, the functional collectives') holds nothing back.
+    Callbacks attached from C++ (`torch.futures.collect_all`) are not seen: they must not issue collectives.
+    """
+
+    def __init__(self, work: HpdlWork) -> None:
+        super().__init__()
+        self._work = weakref.ref(work)  # (not the work itself: it holds this future)
+
+    def _watch(self) -> None:
+        work = self._work()
+        if work is not None:
+            progress.chained(work)
+
+    def then(self, callback: Any) -> Any:
+        self._watch()
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Any) -> None:
+        self._watch()
+        super().add_done_callback(callback)
 
 
 _FUTURES = threading.Lock()
