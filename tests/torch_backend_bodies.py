@@ -417,6 +417,8 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
     - a future's callback issues a collective: on every rank it comes before the collective issued after
       `then` (it ran at once where the first was already complete); sizes differ, so another order raises;
     - a callback waits for a collective issued after the one it is attached to (it hung a queued design);
+    - the same through `torch.futures.collect_all` (its callbacks are attached in C++);
+    - a receive with a callback, pending while the group's next collective runs (the sender joins that first);
     - a sub-group is destroyed with two of its collectives in flight (a queued design ran its exit barrier
       against a collective on the other rank).
     """
@@ -452,6 +454,26 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
     w1, w2 = dist.all_reduce(x, async_op=True), dist.all_reduce(y, async_op=True)
     w1.get_future().then(lambda f: w2.wait()).wait()
     out["callback waits for a later one"] = (x.tolist(), y.tolist())
+
+    d, e, h = value(9), value(5), value(7)
+    works = [dist.all_reduce(d, async_op=True), dist.all_reduce(torch.ones(2), async_op=True)]
+    collected = torch.futures.collect_all([w.get_future() for w in works]).then(lambda f: dist.all_reduce(e))
+    dist.all_reduce(h)
+    collected.wait()
+    out["collect_all's callback issues one"] = (d.tolist(), e.tolist(), h.tolist())
+
+    # a receive's callback holds no collective back: rank 0 waits in a collective before it sends
+    got = torch.zeros(2)
+    if rank == 1:
+        received = dist.irecv(got, src=0)
+        received.get_future().then(lambda f: None)
+    f = value(3)
+    dist.all_reduce(f)
+    if rank == 0:
+        dist.send(torch.full((2,), 7.0), dst=1)
+    elif rank == 1:
+        received.wait()
+    out["receive's callback"] = (f.tolist(), got.tolist())
 
     sub = dist.new_group(list(range(size)))
     p, q = value(2), value(8)

@@ -149,9 +149,9 @@ class Progress:
         with self._cond:
             parts, finish = start()
             pending = _Pending(parts, finish, handle, comm, p2p)
-            handle._group = id(comm)
-            if not p2p:
+            if not p2p:  # (a send's or receive's callbacks hold nothing back)
                 self._last_collective[id(comm)] = handle
+                handle._group = id(comm)
             if not self._inflight:  # nothing earlier to finish first: small messages often complete here
                 done, result, error = pending.test(time.perf_counter())
                 if done:
@@ -172,10 +172,10 @@ class Progress:
         """`submit` for one hpdl operation with no finishing step (a single contiguous tensor in place): the small
         collectives of torch code (a loss, a metric, a flag, DTensor's) with a quarter of the bookkeeping.
 
-        Taken only when nothing is in flight and no future's callback runs; otherwise, and for the ordering
-        rules that then apply, it is `submit`. After the start it is tested in a tight loop under the lock: up
-        to 64 KiB for QUICK_SPIN_SECONDS, and for up to ALONE_SECONDS (the bound `wait()` holds the lock for
-        anyway) when `blocking` (torch said `asyncOp=False`: the caller waits at once), so that a blocking
+        Taken only when nothing is in flight, no future's callback runs and none is pending; otherwise, and for
+        the ordering rules that then apply, it is `submit`. After the start it is tested in a tight loop under
+        the lock: up to 64 KiB for QUICK_SPIN_SECONDS, and for up to ALONE_SECONDS (the bound `wait()` holds the
+        lock for anyway) when `blocking` (torch said `asyncOp=False`: the caller waits at once), so that a blocking
         call that finishes in that time needs no pass through the progress machinery (a 64 KiB
         `dist.all_reduce` took 2x the direct call through it). Never longer: another thread of the process
         may have to issue the operation a peer needs before that peer can join this one.
@@ -184,7 +184,12 @@ class Progress:
         error: Optional[BaseException] = None
         with self._cond:
             previous = self._last_collective.get(id(comm))
-            if self._inflight or self._callback_threads or (previous is not None and not previous._done):
+            if (
+                self._inflight
+                or self._callback_threads
+                or (previous is not None and not previous._done)
+                or self._chained.get(id(comm))
+            ):
                 general = True
             else:
                 work = begin()  # errors in the arguments raise here, as in submit

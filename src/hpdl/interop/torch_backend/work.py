@@ -107,7 +107,8 @@ class _WatchedFuture(torch.futures.Future):
 
     Such a callback may issue collectives (DDP comm hooks, PowerSGD), so later collectives wait until it has
     run; a future with none (DDP's own allreduce, FSDP2's, the functional collectives') holds nothing back.
-    Callbacks attached from C++ (`torch.futures.collect_all`) are not seen: they must not issue collectives.
+    Callbacks attached from C++ are not seen; `torch.futures.collect_all`, the one way Python code reaches
+    them, is watched (`_watch_collect_all`).
     """
 
     def __init__(self, work: HpdlWork) -> None:
@@ -127,6 +128,27 @@ class _WatchedFuture(torch.futures.Future):
         self._watch()
         super().add_done_callback(callback)
 
+
+def _watch_collect_all() -> None:
+    """`torch.futures.collect_all(futures).then(callback)`: the callback runs when the last of the futures
+    completes, attached in C++ where `then` is not seen, and it may issue collectives; so the futures of hpdl
+    works given to `collect_all` count as having callbacks (a review reproduced the wrong sums otherwise)."""
+    original = torch.futures.collect_all
+    if getattr(original, "_hpdl_watched", False):
+        return
+
+    def collect_all(futures: list) -> Any:
+        for future in futures:
+            if isinstance(future, _WatchedFuture):
+                future._watch()
+        return original(futures)
+
+    collect_all.__doc__ = original.__doc__
+    collect_all._hpdl_watched = True  # type: ignore[attr-defined]
+    torch.futures.collect_all = collect_all  # type: ignore[assignment]
+
+
+_watch_collect_all()
 
 _FUTURES = threading.Lock()
 """Guards the lazy creation of a work's future against its completion on another thread."""
