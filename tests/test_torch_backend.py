@@ -89,6 +89,14 @@ def test_collectives_start_at_once_and_callbacks_keep_their_place(pool):
         assert out["destroyed in flight"] == ([total] * 2, [total] * 8)
 
 
+def test_waiting_for_a_callback_run_by_another_thread_is_bounded(pool):
+    """Found in review: `work.wait()` while the progress thread ran the work's future's callback waited without
+    a bound (a callback that never returns hung the caller); now it fails after the group's timeout."""
+    waited, error = pool.run(bodies.a_callback_that_runs_too_long, timeout=60)[0]
+    assert 0.4 < waited < 1.2, waited
+    assert error is not None and "callback" in error and "0.5 s" in error, error
+
+
 def test_functional_collectives_equal_gloo(pool):
     for mine, theirs in zip(pool.run(bodies.functional, "hpdl"), pool.run(bodies.functional, "gloo")):
         _same(mine, theirs)

@@ -483,3 +483,45 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
         w.wait()
     out["destroyed in flight"] = (p.tolist(), q.tolist())
     return out
+
+
+def a_callback_that_runs_too_long(comm: Any) -> tuple:
+    """On rank 0 the progress thread runs a future's callback that takes 1.5 s, past its group's 0.5 s timeout;
+    the main thread's `work.wait()` raises `CommTimeoutError` after about 0.5 s instead of waiting for it (every
+    wait has a bound). The other ranks' all_reduce completes normally; the last rank joins late, so that rank 0's
+    operation is still in flight when the callback is attached and the progress thread runs it."""
+    import threading
+    import time
+
+    from hpdl.errors import CommTimeoutError
+
+    groups()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    sub = dist.new_group(list(range(size)))
+    sub.comm.timeout = 0.5
+    if rank == size - 1:
+        time.sleep(0.2)
+    work = dist.all_reduce(torch.ones(3), group=sub, async_op=True)
+    if rank != 0:
+        work.wait()
+        dist.destroy_process_group(sub)
+        return None
+    running, finished = threading.Event(), threading.Event()
+
+    def slow(f: Any) -> None:
+        running.set()
+        time.sleep(1.5)
+        finished.set()
+
+    work.get_future().then(slow)
+    assert running.wait(5.0), "the progress thread did not run the callback"
+    started = time.perf_counter()
+    try:
+        work.wait()
+        error = None
+    except CommTimeoutError as exc:
+        error = str(exc)
+    waited = time.perf_counter() - started
+    finished.wait(5.0)
+    dist.destroy_process_group(sub)
+    return waited, error

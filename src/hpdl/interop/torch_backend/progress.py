@@ -39,6 +39,7 @@ class HpdlWork(Protocol):
     _done: bool
     _chained: bool
     _group: Optional[int]
+    _timeout: float
 
     def _complete(self, result: Any, error: Optional[BaseException]) -> None: ...
 
@@ -149,6 +150,7 @@ class Progress:
         with self._cond:
             parts, finish = start()
             pending = _Pending(parts, finish, handle, comm, p2p)
+            handle._timeout = comm.timeout
             if not p2p:  # (a send's or receive's callbacks hold nothing back)
                 self._last_collective[id(comm)] = handle
                 handle._group = id(comm)
@@ -195,6 +197,7 @@ class Progress:
                 work = begin()  # errors in the arguments raise here, as in submit
                 self._last_collective[id(comm)] = handle
                 handle._group = id(comm)
+                handle._timeout = comm.timeout
                 try:
                     seconds = ALONE_SECONDS if blocking else QUICK_SPIN_SECONDS if nbytes <= QUICK_BYTES else 0.0
                     done = work.is_completed() or (
@@ -270,11 +273,21 @@ class Progress:
             self._waiters += 1
         try:
             self._drive_alone(handle)
+            delivered_by_another: Optional[float] = None
             while not handle._done:
                 finished = self._poll()
                 self._deliver(finished)
                 if not finished and not handle._done and not self._has(handle):
-                    time.sleep(POLL_SECONDS)  # another thread holds its result and is delivering it
+                    # Another thread holds its result and runs its future's callbacks: bounded too.
+                    now = time.monotonic()
+                    if delivered_by_another is None:
+                        delivered_by_another = now
+                    elif now - delivered_by_another > handle._timeout:
+                        raise CommTimeoutError(
+                            f"a torch future's callback (a DDP comm hook?) has run for over {handle._timeout:g} s "
+                            "on another thread; whoever waits for the operation waits for its callbacks"
+                        )
+                    time.sleep(POLL_SECONDS)
         finally:
             with self._cond:
                 self._waiters -= 1

@@ -31,6 +31,7 @@ class HpdlWork(dist._Work):
     _error: Optional[BaseException] = None
     _chained = False  # its future has Python callbacks not run yet (set by progress.chained)
     _group: Optional[int] = None  # the communicator it runs on, by id (set by progress when started)
+    _timeout = 300.0  # its communicator's (set by progress when started)
     sender: Optional[int] = None
 
     def __init__(self, outputs: Any = None) -> None:
