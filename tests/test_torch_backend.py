@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import torch_backend_bodies as bodies
 from conftest import RankError
@@ -27,7 +28,11 @@ def pool(request, ranks):
 def _same(hpdl_result, gloo_result):
     assert hpdl_result.keys() == gloo_result.keys()
     for key in hpdl_result:
-        assert hpdl_result[key] == gloo_result[key], key
+        mine, theirs = hpdl_result[key], gloo_result[key]
+        if isinstance(mine, torch.Tensor):
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape and torch.equal(mine, theirs), key
+        else:
+            assert mine == theirs, key
 
 
 def test_every_collective_equals_gloo(pool):
