@@ -5,9 +5,11 @@ the same output; what follows the block is computed on every rank alike,
 so the gradient arriving at the merged output is the same on every rank.
 Hence:
 
-- concat: forward gathers every rank's branch outputs (one allgather-v of
-  the flattened pieces) and puts them in branch order; backward keeps this
-  rank's slices of the output gradient (no communication);
+- concat: forward writes this rank's branch outputs into its own block of
+  a flat buffer, gathers the others' blocks around it (one allgather-v in
+  place) and puts the pieces in branch order; backward hands each of this
+  rank's branches its slice of the output gradient (one copy each, no
+  communication);
 - sum / mean: forward allreduces the sum of this rank's branch outputs;
   backward passes the output gradient (divided by the branch count for
   mean) to the local sum unchanged (no communication);
@@ -41,13 +43,19 @@ class Layout:
 
 class _GatherConcat(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, comm: Communicator, layout: Layout, rank: int) -> torch.Tensor:
+    def forward(ctx: Any, comm: Communicator, layout: Layout, rank: int, *outs: torch.Tensor) -> torch.Tensor:
         ctx.layout, ctx.rank = layout, rank
-        gathered = comm.allgather(local.contiguous(), sizes=layout.sizes) if comm.size > 1 else local
+        # (a new buffer each call: a kept one would add the block's output to the peak memory of every step)
+        gathered = torch.empty(sum(layout.sizes), dtype=outs[0].dtype, device=outs[0].device)
+        start = sum(layout.sizes[:rank])
+        mine = gathered[start : start + layout.sizes[rank]]
+        torch.cat([o.reshape(-1) for o in outs], out=mine)
+        if comm.size > 1:
+            comm.allgather(mine, sizes=layout.sizes, out=gathered)
         pieces: list = [None] * len(layout.shapes)
         offset = 0
-        for mine in layout.per_rank:
-            for i in mine:
+        for owned in layout.per_rank:
+            for i in owned:
                 pieces[i] = gathered[offset : offset + layout.numels[i]].view(layout.shapes[i])
                 offset += layout.numels[i]
         return torch.cat(pieces, dim=layout.dim)
@@ -57,13 +65,14 @@ class _GatherConcat(torch.autograd.Function):
         layout: Layout = ctx.layout
         widths = [shape[layout.dim] for shape in layout.shapes]
         parts = torch.split(grad, widths, dim=layout.dim)
-        local = torch.cat([parts[i].reshape(-1) for i in layout.per_rank[ctx.rank]])
-        return local, None, None, None
+        # One copy each: a convolution's backward given the strided slice itself took longer than the copy.
+        return (None, None, None, *(parts[i].contiguous() for i in layout.per_rank[ctx.rank]))
 
 
-def gather_concat(local: torch.Tensor, comm: Communicator, layout: Layout) -> torch.Tensor:
-    """The concatenation of every branch's output along `layout.dim` (`local`: this rank's outputs, flattened)."""
-    return _GatherConcat.apply(local, comm, layout, comm.rank)
+def gather_concat(outs: Sequence[torch.Tensor], comm: Communicator, layout: Layout) -> torch.Tensor:
+    """The concatenation of every branch's output along `layout.dim` (`outs`: this rank's branches' outputs, in
+    branch order)."""
+    return _GatherConcat.apply(comm, layout, comm.rank, *outs)
 
 
 class _AllreduceSum(torch.autograd.Function):

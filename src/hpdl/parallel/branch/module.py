@@ -90,7 +90,7 @@ class BranchParallel(nn.Module):
         outs = [branch(arg) for branch in self.branches]
         if self.merge == "concat":
             layout = self._layout(x, outs)
-            return gather_concat(torch.cat([o.reshape(-1) for o in outs]), self.comm, layout)
+            return gather_concat(outs, self.comm, layout)
         shape = outs[0].shape
         for i, o in zip(self.owned, outs):
             if o.shape != shape:
