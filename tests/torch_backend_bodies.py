@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.futures import collect_all  # (before any hpdl group exists, as a user's module may import it)
 
 import hpdl  # noqa: F401  (registers the backend)
 
@@ -460,7 +461,7 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
 
     d, e, h = value(9), value(5), value(7)
     works = [dist.all_reduce(d, async_op=True), dist.all_reduce(torch.ones(2), async_op=True)]
-    collected = torch.futures.collect_all([w.get_future() for w in works]).then(lambda f: dist.all_reduce(e))
+    collected = collect_all([w.get_future() for w in works]).then(lambda f: dist.all_reduce(e))
     dist.all_reduce(h)
     collected.wait()
     out["collect_all's callback issues one"] = (d.tolist(), e.tolist(), h.tolist())
@@ -477,6 +478,25 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
     elif rank == 1:
         received.wait()
     out["receive's callback"] = (f.tolist(), got.tolist())
+
+    # Operations finished in one batch of the thread that delivers them (the progress thread is kept busy
+    # meanwhile by another group's callback, then the caller waits for the last one): the first one's callback
+    # waits for the second, with work.wait() and with its future's wait(). Found in review: the wait spun until
+    # the timeout, the future's hung for ever (only the thread blocked in the callback could deliver it).
+    busy = dist.new_group(list(range(size)))
+    for how in ("work", "future"):
+        u, v, z = value(4), value(6), value(8)
+        held = dist.all_reduce(torch.ones(2), group=busy, async_op=True)
+        w1, w2, w3 = (dist.all_reduce(t, async_op=True) for t in (u, v, z))
+        held.get_future().then(lambda f: time.sleep(0.1))
+        waits = (lambda f, w2=w2: w2.wait()) if how == "work" else (lambda f, w2=w2: w2.get_future().wait())
+        chained = w1.get_future().then(waits)
+        time.sleep(0.2)  # computing: the progress thread completes what it can
+        w3.wait()
+        chained.wait()
+        held.wait()
+        out[f"same batch, {how}"] = (u.tolist(), v.tolist(), z.tolist())
+    dist.destroy_process_group(busy)
 
     sub = dist.new_group(list(range(size)))
     p, q = value(2), value(8)

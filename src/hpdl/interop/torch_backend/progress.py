@@ -119,6 +119,8 @@ class Progress:
         self._inflight: list[_Pending] = []
         self._waiters = 0
         self._callback_threads: set[int] = set()
+        self._batches: dict[int, list[list[list]]] = {}
+        """Per thread, the batches of finished operations it is delivering (`deliver_mine`)."""
         """Threads running futures' callbacks now (set.add/discard/in are atomic: no lock per delivery)."""
         self._thread: Optional[threading.Thread] = None
         self._last_collective: dict[int, HpdlWork] = {}
@@ -278,6 +280,8 @@ class Progress:
                 finished = self._poll()
                 self._deliver(finished)
                 if not finished and not handle._done and not self._has(handle):
+                    if self.deliver_mine(handle):
+                        continue
                     # Another thread holds its result and runs its future's callbacks: bounded too.
                     now = time.monotonic()
                     if delivered_by_another is None:
@@ -343,12 +347,30 @@ class Progress:
         me = get_ident()
         nested = me in self._callback_threads
         self._callback_threads.add(me)
+        batch = [[handle, result, error, False] for handle, result, error in finished]
+        batches = self._batches.setdefault(me, [])
+        batches.append(batch)
         try:
-            for handle, result, error in finished:
-                handle._complete(result, error)
+            for entry in batch:
+                if not entry[3]:  # (a callback of an earlier one may have delivered it: deliver_mine)
+                    entry[3] = True
+                    entry[0]._complete(entry[1], entry[2])
         finally:
+            batches.pop()
             if not nested:
                 self._callback_threads.discard(me)
+
+    def deliver_mine(self, handle: HpdlWork) -> bool:
+        """Deliver `handle` now if it finished in a batch this thread is delivering: a callback of an earlier
+        operation of the batch waits for it (on this thread, which alone could deliver it). Issue order is
+        kept otherwise: every other operation is delivered in the order it finished."""
+        for batch in self._batches.get(get_ident(), ()):
+            for entry in batch:
+                if entry[0] is handle and not entry[3]:
+                    entry[3] = True
+                    handle._complete(entry[1], entry[2])
+                    return True
+        return False
 
     def _ensure_thread(self) -> None:
         if self._thread is None:  # (cleared by the thread if it ever ends: is_alive() costs a lock per call)

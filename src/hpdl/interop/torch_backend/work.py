@@ -129,12 +129,22 @@ class _WatchedFuture(torch.futures.Future):
         self._watch()
         super().add_done_callback(callback)
 
+    def wait(self) -> Any:
+        """Drives progress on this thread first, as `work.wait()` does: a callback that waits for a later
+        operation's future runs on the thread that completes operations (torch's own wait would block it)."""
+        work = self._work()
+        if work is not None and not work._done:
+            progress.wait(work)
+        return super().wait()
+
 
 def _watch_collect_all() -> None:
     """`torch.futures.collect_all(futures).then(callback)`: the callback runs when the last of the futures
     completes, attached in C++ where `then` is not seen, and it may issue collectives; so the futures of hpdl
-    works given to `collect_all` count as having callbacks (a review reproduced the wrong sums otherwise)."""
-    original = torch.futures.collect_all
+    works given to `collect_all` count as having callbacks (a review reproduced the wrong sums otherwise).
+    Watched where `torch.futures.collect_all` (and `wait_all`) look it up at every call, `torch._C._collect_all`,
+    so that a name imported before hpdl's group was made is watched too."""
+    original = torch._C._collect_all
     if getattr(original, "_hpdl_watched", False):
         return
 
@@ -144,9 +154,8 @@ def _watch_collect_all() -> None:
                 future._watch()
         return original(futures)
 
-    collect_all.__doc__ = original.__doc__
     collect_all._hpdl_watched = True  # type: ignore[attr-defined]
-    torch.futures.collect_all = collect_all  # type: ignore[assignment]
+    torch._C._collect_all = collect_all
 
 
 _watch_collect_all()

@@ -31,8 +31,12 @@ __all__ = ["Layout", "gather_concat", "allreduce_sum", "sum_input_grad"]
 class Layout:
     """Output shapes of every branch and who owns which: enough to cut the gathered buffer back into branches."""
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]], owner: Sequence[int], ranks: int, dim: int):
+    def __init__(
+        self, shapes: Sequence[tuple[int, ...]], owner: Sequence[int], ranks: int, dim: int, dtype: torch.dtype
+    ):
         self.shapes = [tuple(s) for s in shapes]
+        self.dtype = dtype
+        """Of the merged output: torch.cat's promotion over every branch's (on every rank)."""
         self.owner = list(owner)
         self.dim = dim
         self.per_rank = [[i for i, o in enumerate(owner) if o == r] for r in range(ranks)]
@@ -46,10 +50,16 @@ class _GatherConcat(torch.autograd.Function):
     def forward(ctx: Any, comm: Communicator, layout: Layout, rank: int, *outs: torch.Tensor) -> torch.Tensor:
         ctx.layout, ctx.rank = layout, rank
         # (a new buffer each call: a kept one would add the block's output to the peak memory of every step)
-        gathered = torch.empty(sum(layout.sizes), dtype=outs[0].dtype, device=outs[0].device)
+        gathered = torch.empty(sum(layout.sizes), dtype=layout.dtype, device=outs[0].device)
         start = sum(layout.sizes[:rank])
         mine = gathered[start : start + layout.sizes[rank]]
-        torch.cat([o.reshape(-1) for o in outs], out=mine)
+        if all(o.dtype == layout.dtype for o in outs):
+            torch.cat([o.reshape(-1) for o in outs], out=mine)
+        else:  # (cat with out= does not cast)
+            at = 0
+            for o in outs:
+                mine[at : at + o.numel()].copy_(o.reshape(-1))
+                at += o.numel()
         if comm.size > 1:
             comm.allgather(mine, sizes=layout.sizes, out=gathered)
         pieces: list = [None] * len(layout.shapes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -103,15 +104,16 @@ class BranchParallel(nn.Module):
 
     def _layout(self, x: torch.Tensor, outs: list[torch.Tensor]) -> Layout:
         """The shapes of every branch's output for inputs of this shape (exchanged once per input shape)."""
-        key = (tuple(x.shape), x.dtype)
+        key = (tuple(x.shape), x.dtype, *(o.dtype for o in outs))  # (output dtypes: autocast may change them)
         layout = self._layouts.get(key)
         if layout is None:
-            mine = [tuple(o.shape) for o in outs]
+            mine = [(tuple(o.shape), str(o.dtype).removeprefix("torch.")) for o in outs]
             everyone = self.comm.allgather_object(mine) if self.comm.size > 1 else [mine]
             shapes: list = [None] * self.count
+            dtypes: list = [None] * self.count
             for rank, theirs in enumerate(everyone):
-                for i, shape in zip([j for j, r in enumerate(self.placement) if r == rank], theirs):
-                    shapes[i] = shape
+                for i, (shape, dtype) in zip([j for j, r in enumerate(self.placement) if r == rank], theirs):
+                    shapes[i], dtypes[i] = shape, getattr(torch, dtype)
             dim = self.dim % len(shapes[0])
             for i, shape in enumerate(shapes):
                 if len(shape) != len(shapes[0]) or any(
@@ -121,7 +123,9 @@ class BranchParallel(nn.Module):
                         f"merge='concat' along dim {self.dim}: branch {i} gives {list(shape)}, branch 0 gives "
                         f"{list(shapes[0])}; every other dimension must agree"
                     )
-            layout = self._layouts[key] = Layout(shapes, self.placement, self.comm.size, dim)
+            # torch.cat's promotion over every branch, as the block on one process gives
+            merged = functools.reduce(torch.promote_types, dtypes)
+            layout = self._layouts[key] = Layout(shapes, self.placement, self.comm.size, dim, merged)
         return layout
 
     def extra_repr(self) -> str:
