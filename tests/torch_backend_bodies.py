@@ -479,6 +479,16 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
         received.wait()
     out["receive's callback"] = (f.tolist(), got.tolist())
 
+    # A callback waits for its own operation (torch's documented `fut.wait()` in a callback, and work.wait()):
+    # it returns at once (found in review: both spun until the group's timeout).
+    own = value(5)
+    work = dist.all_reduce(own, async_op=True)
+    own_future = work.get_future()
+    waited = own_future.then(lambda f: f.wait()).then(lambda f, work=work: work.wait())
+    started = time.perf_counter()
+    waited.wait()
+    out["callback waits for its own"] = (own.tolist(), time.perf_counter() - started < 5.0)
+
     # Operations finished in one batch of the thread that delivers them (the progress thread is kept busy
     # meanwhile by another group's callback, then the caller waits for the last one): the first one's callback
     # waits for the second, with work.wait() and with its future's wait(). Found in review: the wait spun until

@@ -119,9 +119,9 @@ class Progress:
         self._inflight: list[_Pending] = []
         self._waiters = 0
         self._callback_threads: set[int] = set()
+        """Threads running futures' callbacks now (set.add/discard/in are atomic: no lock per delivery)."""
         self._batches: dict[int, list[list[list]]] = {}
         """Per thread, the batches of finished operations it is delivering (`deliver_mine`)."""
-        """Threads running futures' callbacks now (set.add/discard/in are atomic: no lock per delivery)."""
         self._thread: Optional[threading.Thread] = None
         self._last_collective: dict[int, HpdlWork] = {}
         """Per communicator (by id): the blocking fast path (`submit_one`) is taken only when it is done."""
@@ -282,6 +282,8 @@ class Progress:
                 if not finished and not handle._done and not self._has(handle):
                     if self.deliver_mine(handle):
                         continue
+                    if self._delivering_here(handle):
+                        return  # a callback of its own future waits for it: its result is there
                     # Another thread holds its result and runs its future's callbacks: bounded too.
                     now = time.monotonic()
                     if delivered_by_another is None:
@@ -359,6 +361,10 @@ class Progress:
             batches.pop()
             if not nested:
                 self._callback_threads.discard(me)
+
+    def _delivering_here(self, handle: HpdlWork) -> bool:
+        """Whether this thread is running `handle`'s future's callbacks now."""
+        return any(entry[0] is handle and entry[3] for batch in self._batches.get(get_ident(), ()) for entry in batch)
 
     def deliver_mine(self, handle: HpdlWork) -> bool:
         """Deliver `handle` now if it finished in a batch this thread is delivering: a callback of an earlier

@@ -133,7 +133,7 @@ class _WatchedFuture(torch.futures.Future):
         """Drives progress on this thread first, as `work.wait()` does: a callback that waits for a later
         operation's future runs on the thread that completes operations (torch's own wait would block it)."""
         work = self._work()
-        if work is not None and not work._done:
+        if work is not None and not work._resolved and not self.done():
             progress.wait(work)
         return super().wait()
 

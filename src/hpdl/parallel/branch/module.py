@@ -104,7 +104,8 @@ class BranchParallel(nn.Module):
 
     def _layout(self, x: torch.Tensor, outs: list[torch.Tensor]) -> Layout:
         """The shapes of every branch's output for inputs of this shape (exchanged once per input shape)."""
-        key = (tuple(x.shape), x.dtype, *(o.dtype for o in outs))  # (output dtypes: autocast may change them)
+        # (the same on every rank: the outputs' dtypes may differ from rank to rank, autocast's state may not)
+        key = (tuple(x.shape), x.dtype, *_autocast_state(x.device.type))
         layout = self._layouts.get(key)
         if layout is None:
             mine = [(tuple(o.shape), str(o.dtype).removeprefix("torch.")) for o in outs]
@@ -130,6 +131,16 @@ class BranchParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"merge={self.merge!r}, branches={self.count}, placement={self.placement}, owned={self.owned}"
+
+
+def _autocast_state(device_type: str) -> tuple:
+    """Whether autocast is on for this device type, and its dtype: what decides the branch outputs' dtypes."""
+    try:
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4: the CPU's own functions, and the default (CUDA) ones
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
 
 
 def branch_parameters(model: nn.Module) -> list[str]:
