@@ -23,6 +23,7 @@ import torch_backend_training as training  # noqa: E402  (the shared training bo
 params = training.ddp(None, "hpdl")
 worst = max(float(np.abs(np.array(p) - np.array(r)).max()) for p, r in zip(params, training.reference()))
 print(f"rank {dist.get_rank()} of {dist.get_world_size()}: largest difference {worst:.3e}", flush=True)
+dist.barrier()  # every rank has printed before the last one fails (a CI run lost a slower rank's line to the abort)
 if sys.argv[1:] == ["raise"]:
     if dist.get_rank() == dist.get_world_size() - 1:
         raise ValueError("the last rank fails on purpose")

@@ -140,8 +140,8 @@ class Progress:
         """Start an operation now (errors in its arguments raise here) and complete `handle` when it finishes.
 
         A collective starts only once every earlier one of its group whose future has Python callbacks
-        (`then`, `add_done_callback`) has completed *and* run them: a callback may issue collectives of its own (DDP
-        comm hooks, PowerSGD), and they must take the same place in the sequence on every rank. Any other
+        (`then`, `add_done_callback`) has completed *and* run them: a callback may issue collectives of its own
+        (DDP comm hooks, PowerSGD), and they must take the same place in the sequence on every rank. Any other
         collective starts at once, with earlier ones still in flight: DDP's reducer (no callbacks) issues
         the next bucket while the last one is in flight and goes on with the backward pass. Point-to-point
         operations are never held back (both peers may send before they receive).
@@ -237,10 +237,10 @@ class Progress:
 
     def _wait_for_callbacks(self, comm: Communicator) -> None:
         """Until every operation of the group whose future has Python callbacks is complete and has run them.
-        A callback chain (PowerSGD:
-        allreduce, then P, then Q) issues its next collective only after the one before it has completed, and
-        that collective must come before this one on every rank: on a rank where the chained operation was
-        already complete, `then` ran the callback at once, before this call was issued."""
+
+        A callback chain (PowerSGD: allreduce, then P, then Q) issues its next collective only after the one
+        before it has completed, and that collective must come before this one on every rank: on a rank where
+        the chained operation was already complete, `then` ran the callback at once, before this call."""
         deadline = time.monotonic() + comm.timeout
         while True:
             with self._cond:

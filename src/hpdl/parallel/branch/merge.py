@@ -53,13 +53,10 @@ class _GatherConcat(torch.autograd.Function):
         gathered = torch.empty(sum(layout.sizes), dtype=layout.dtype, device=outs[0].device)
         start = sum(layout.sizes[:rank])
         mine = gathered[start : start + layout.sizes[rank]]
-        if all(o.dtype == layout.dtype for o in outs):
-            torch.cat([o.reshape(-1) for o in outs], out=mine)
-        else:  # (cat with out= does not cast)
-            at = 0
-            for o in outs:
-                mine[at : at + o.numel()].copy_(o.reshape(-1))
-                at += o.numel()
+        at = 0
+        for o in outs:  # (copy_ casts to the merged dtype where a branch's differs; cat with out= would not)
+            mine[at : at + o.numel()].copy_(o.reshape(-1))
+            at += o.numel()
         if comm.size > 1:
             comm.allgather(mine, sizes=layout.sizes, out=gathered)
         pieces: list = [None] * len(layout.shapes)
