@@ -18,6 +18,7 @@ SHM_FORCED = {
     "HPDL_SHM_MIN_REDUCE_SCATTER": "0",
     "HPDL_SHM_MIN_ALLGATHER": "0",
     "HPDL_SHM_MIN_BROADCAST": "0",
+    "HPDL_SHM_MIN_ALLREDUCE_COALESCED": "0",  # fusion buckets straight from and into their tensors
     "HPDL_SHM_MB": "0.25",  # 256 KB of staging per rank: every larger tensor goes through in pieces
     "HPDL_SHM_PIECE_MB": "0.0625",  # of 64 KB, staged round the segment's 4 slots
 }

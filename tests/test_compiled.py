@@ -260,6 +260,31 @@ def test_fusion_packs_and_unpacks_like_torch_cat(monkeypatch, compiled):
             assert new._version > version  # autograd sees the tensors changed, as after torch's own copies
 
 
+def test_fusion_copies_a_byte_range_of_the_tensors():
+    """What the shared-memory route stages per piece: any byte range of the tensors' concatenation, out and in."""
+    from hpdl.comm import fusion
+
+    generator = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=generator, dtype=torch.float64) for n in (5, 0, 17, 1, 40)]
+    (bucket,) = fusion.pack(tensors, 1 << 20)
+    whole = torch.cat(tensors).view(torch.uint8)
+    out = torch.zeros(whole.numel(), dtype=torch.uint8)
+    for start, length in ((0, whole.numel()), (3, 50), (40, 8), (47, 137), (whole.numel(), 0), (100, 400)):
+        out.zero_()
+        bucket.pack_range(out.data_ptr(), start, length)
+        assert torch.equal(out[:length], whole[start : start + length]) and not out[length:].any()
+    versions = [t._version for t in tensors]
+    incoming = torch.arange(whole.numel(), dtype=torch.int64).remainder(251).to(torch.uint8)
+    expected = whole.clone()
+    expected[45:301] = incoming[:256]
+    bucket.unpack_range(incoming.data_ptr(), 45, 256)
+    bucket.modified()
+    assert torch.equal(torch.cat(tensors).view(torch.uint8), expected)
+    assert all(t._version > v for t, v in zip(tensors, versions))
+    with pytest.raises(ValueError, match="runs past"):
+        bucket.pack_range(out.data_ptr(), whole.numel() - 4, 8)
+
+
 def test_fusion_leaves_tensors_autograd_tracks_to_torch():
     from hpdl.comm import fusion
 

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from collective_data import HIERARCHICAL, expected_reduce, make_input
+from collective_data import HIERARCHICAL, expected_reduce, make_input, ops_for
 from collective_data import SHM_FORCED as FORCED
 
 
@@ -99,6 +99,45 @@ def test_stress_random_sizes_and_orders(ranks, nprocs, env):
     results = ranks("mpi", nprocs, env).run(stress, 7, 60, timeout=120)
     assert results == [60] * nprocs
     assert time.monotonic() - started < 120
+
+
+def packed_buckets(comm):
+    """Fusion buckets reduced straight from and into their tensors: pieces of the staging segment that cut
+    tensors in two, several dtypes and ops, an average; counts the flat buffers packed on the way."""
+    from hpdl.comm import fusion
+
+    packed = []
+    fill = fusion.Bucket.fill
+    fusion.Bucket.fill = lambda bucket: (packed.append(len(bucket.targets)), fill(bucket))[-1]
+    try:
+        out = {}
+        sizes = (1, 16_001, 7, 33_333, 0, 5)  # 50 KB .. 130 KB pieces of 64 KB: boundaries inside tensors
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.bool):
+            for op in ops_for(dtype):
+                tensors = [make_input(comm.rank, n, dtype, op) for n in sizes]
+                returned = comm.allreduce_coalesced(tensors, op)
+                out[(str(dtype), op)] = (returned[0] is tensors[0], tensors)
+    finally:
+        fusion.Bucket.fill = fill
+    return out, packed
+
+
+@pytest.mark.parametrize("nprocs,env", [(3, FORCED), (2, dict(FORCED, HPDL_COMPILED="0")), (4, HIERARCHICAL)])
+def test_fusion_buckets_reduced_straight_from_their_tensors(ranks, nprocs, env):
+    compiled = env.get("HPDL_COMPILED") != "0"
+    for out, packed in ranks("mpi", nprocs, env).run(packed_buckets):
+        for (dtype_name, op), (same, tensors) in out.items():
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            assert same
+            for n, value in zip((1, 16_001, 7, 33_333, 0, 5), tensors):
+                expected = expected_reduce(nprocs, n, dtype, op)
+                if op == "avg":  # a division: rounded once here, twice (float64, then dtype) in the expectation
+                    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
+                    assert torch.allclose(value.double(), expected.double(), rtol=tolerance), (dtype_name, n)
+                else:
+                    assert torch.equal(value, expected), (dtype_name, op, n)
+        # compiled: no bucket of several tensors is packed into a flat buffer; not compiled, each one is
+        assert (max(packed, default=1) == 1) if compiled else (min(packed) == len([1, 16_001, 7, 33_333, 0, 5]))
 
 
 def status(comm):

@@ -46,7 +46,8 @@ TIMING = (
     "per repetition and column: the column's own engine's barrier (MPI_Barrier for hpdl-mpi and mpi4py, "
     "torch.distributed.barrier for hpdl-torch and torch.distributed), then every rank times its own call with "
     "time.perf_counter(); a repetition's time is the max over ranks (send/recv: rank 0's round trip / 2; memory "
-    "copy: rank 0 alone while the other ranks wait in MPI_Barrier)"
+    "copy: rank 0 alone while the other ranks wait in MPI_Barrier); fusion: the two columns of 200 separate gloo "
+    "calls alternate between themselves, every other column among the rest"
 )
 SIZE_MEANING = (
     "bytes = the message: allreduce/broadcast/send buffer; allgather: each rank's contribution (output = ranks x "

@@ -22,32 +22,61 @@ static int read_table(PyObject *obj, Py_buffer *view) {
 
 static PyObject *copy(PyObject *const *args, Py_ssize_t nargs, int into_flat) {
     Py_buffer view;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "hpdl._copies: (flat address, table) expected");
+    if (nargs != 2 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "hpdl._copies: (flat address, table[, start, length]) expected");
         return NULL;
     }
     char *flat = PyLong_AsVoidPtr(args[0]);
     if (flat == NULL && PyErr_Occurred()) return NULL;
+    long long start = 0, length = -1; /* bytes of the tensors' concatenation; -1: all of it */
+    if (nargs == 4) {
+        start = PyLong_AsLongLong(args[2]);
+        length = PyLong_AsLongLong(args[3]);
+        if ((start == -1 || length == -1) && PyErr_Occurred()) return NULL;
+        if (start < 0 || length < 0) {
+            PyErr_SetString(PyExc_ValueError, "hpdl._copies: start and length must not be negative");
+            return NULL;
+        }
+    }
     if (read_table(args[1], &view) < 0) return NULL;
     const int64_t *pairs = view.buf;
     Py_ssize_t n = view.len / (Py_ssize_t)(2 * sizeof(int64_t));
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
-        char *tensor = (char *)(intptr_t)pairs[2 * i];
-        size_t nbytes = (size_t)pairs[2 * i + 1];
-        if (into_flat)
-            memcpy(flat, tensor, nbytes);
-        else
-            memcpy(tensor, flat, nbytes);
-        flat += nbytes;
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) total += pairs[2 * i + 1];
+    if (length < 0) length = total - start;
+    if (start + length > total) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "hpdl._copies: the range runs past the tensors' bytes");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS long long at = 0; /* where tensor i starts in the concatenation */
+    for (Py_ssize_t i = 0; i < n && length > 0; i++) {
+        long long nbytes = pairs[2 * i + 1];
+        if (at + nbytes > start) {
+            long long skip = start > at ? start - at : 0;
+            long long take = nbytes - skip < length ? nbytes - skip : length;
+            char *tensor = (char *)(intptr_t)pairs[2 * i] + skip;
+            if (into_flat)
+                memcpy(flat, tensor, (size_t)take);
+            else
+                memcpy(tensor, flat, (size_t)take);
+            flat += take;
+            start += take;
+            length -= take;
+        }
+        at += nbytes;
     }
     Py_END_ALLOW_THREADS PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
 
-/* pack(flat_address, table): the tensors one after the other into the flat buffer */
+/* pack(flat_address, table[, start, length]): the tensors one after the other into the flat buffer; with a
+   range, only bytes [start, start + length) of their concatenation (a piece of a fused buffer staged straight
+   into shared memory, hpdl/comm/shm.py) */
 static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return copy(args, nargs, 1); }
 
-/* unpack(flat_address, table): the flat buffer back into the tensors */
+/* unpack(flat_address, table[, start, length]): the flat buffer back into the tensors (or into bytes
+   [start, start + length) of their concatenation) */
 static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return copy(args, nargs, 0); }
 
 static PyMethodDef methods[] = {

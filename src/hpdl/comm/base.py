@@ -249,16 +249,12 @@ class Communicator(ABC):
         if self._debug:  # the shapes' digest costs ~1 us per tensor: only where it is compared
             shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in plan.tensors)
             detail += f" shapes={zlib.crc32(shapes.encode()):08x}"
-        plan.fill()
-        try:
-            seq = self._begin("allreduce_coalesced", None, detail, extra=plan.nbytes)
-        except BaseException:
-            plan.busy = False
-            raise
-        parts = self._allreduce_flat([bucket.flat for bucket in plan.buckets], op, seq, async_op)
+        seq = self._begin("allreduce_coalesced", None, detail, extra=plan.nbytes)
+        plan.busy = True  # until unpacked
+        parts, packed = self._allreduce_buckets(plan.buckets, op, seq, async_op)
 
         def finish() -> list:
-            for bucket in plan.buckets:
+            for bucket in packed:
                 bucket.unpack()
             plan.busy = False
             return list(tensors)
@@ -563,6 +559,15 @@ class Communicator(ABC):
 
     @abstractmethod
     def _allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work: ...
+
+    def _allreduce_buckets(
+        self, buckets: list[fusion.Bucket], op: str, seq: int, async_op: bool
+    ) -> tuple[list[Work], list[fusion.Bucket]]:
+        """Start the allreduce of one coalesced call's buckets: the works, and the buckets whose flat buffers the
+        caller unpacks once they are done (an engine may reduce a bucket straight from and into its tensors)."""
+        for bucket in buckets:
+            bucket.fill()
+        return self._allreduce_flat([bucket.flat for bucket in buckets], op, seq, async_op), buckets
 
     def _allreduce_flat(self, flats: list[torch.Tensor], op: str, seq: int, async_op: bool) -> list[Work]:
         """Start the allreduce of each fused buffer of one coalesced call (an engine that can wait more cheaply

@@ -84,9 +84,26 @@ class Bucket:
         """Copy the (reduced) flat buffer back into the tensors."""
         if self.table is not None:
             _copies.unpack(self.flat.data_ptr(), self.table)
-            _modified(self.targets)  # what torch's own copies do: a tensor saved for backward must not look unchanged
+            self.modified()
         elif len(self.targets) > 1:
             torch._foreach_copy_(self.targets, self.chunks)
+
+    @property
+    def packs_ranges(self) -> bool:
+        """Whether `pack_range` and `unpack_range` work here (a CPU bucket with the compiled copies)."""
+        return self.table is not None
+
+    def pack_range(self, address: int, start: int, length: int) -> None:
+        """Copy bytes [start, start + length) of the tensors' concatenation to `address` (not the flat buffer)."""
+        _copies.pack(address, self.table, start, length)
+
+    def unpack_range(self, address: int, start: int, length: int) -> None:
+        """Copy `length` bytes at `address` into bytes [start, start + length) of the tensors' concatenation."""
+        _copies.unpack(address, self.table, start, length)
+
+    def modified(self) -> None:
+        """What torch's own copies do after writing the tensors: one saved for backward must not look unchanged."""
+        _modified(self.targets)
 
 
 def _modified(tensors: list[torch.Tensor]) -> None:

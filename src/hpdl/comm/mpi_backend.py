@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from hpdl.comm import agreement, mpi_calls, shm
+from hpdl.comm import agreement, fusion, mpi_calls, shm
 from hpdl.comm import tuning as tuning_file
 from hpdl.comm.base import Communicator, is_block_of
 from hpdl.comm.env import env_flag, env_number
@@ -210,6 +210,7 @@ class MpiCommunicator(Communicator):
         measured, self.shm_thresholds_source = tuning_file.thresholds_for(self._tuning, local_size, library_version())
         """Where the shared-memory thresholds come from: `hpdl tune`'s file, or built in (and why)."""
         self._shm_thresholds = {op: shm.thresholds(op, measured[op]) for op in shm.DEFAULT_THRESHOLDS}
+        self._fused_shm_min = shm.fused_threshold()
         self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
         """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not MPI_Ireduce_scatter_block."""
         self._node: Optional[shm.NodeCollectives] = None
@@ -635,6 +636,41 @@ class MpiCommunicator(Communicator):
             return t
 
         return self._work("allreduce", seq, request, finish)
+
+    def _allreduce_buckets(
+        self, buckets: list[fusion.Bucket], op: str, seq: int, async_op: bool
+    ) -> tuple[list[Work], list[fusion.Bucket]]:
+        """A blocking caller's buckets from `shm.fused_threshold()` go through shared memory straight from and into
+        their tensors (no flat buffer: two copies of everything less); the others are packed for MPI."""
+        packed = []
+        for bucket in buckets:
+            node = None if async_op else self._shared_memory_for_bucket(bucket)
+            if node is None:
+                packed.append(bucket)
+                continue
+            across = self._across_nodes if self._cross is not None else None
+            divisor = self.size if op == "avg" else 1
+            if bucket.packs_ranges:
+                node.allreduce_packed(bucket, op, across, divisor)
+            else:  # not compiled, or tensors autograd tracks: the same route through the flat buffer
+                bucket.fill()
+                node.allreduce(bucket.flat, op, across)
+                if divisor != 1:
+                    bucket.flat.div_(divisor)
+                bucket.unpack()
+        for bucket in packed:
+            bucket.fill()
+        works = self._allreduce_flat([bucket.flat for bucket in packed], op, seq, async_op)
+        return works, packed
+
+    def _shared_memory_for_bucket(self, bucket: fusion.Bucket) -> Optional[shm.NodeCollectives]:
+        """The node's engine for a fusion bucket of several CPU tensors from the fused threshold (the same answer on
+        every rank: it depends only on the call's sizes); one tensor alone is an ordinary allreduce."""
+        if len(bucket.targets) < 2 or bucket.flat.nbytes < self._fused_shm_min or not bucket.flat.is_cpu:
+            return None
+        if self._node is None and self.shm_status.startswith("not started"):
+            self._start_shared_memory()
+        return self._node
 
     def _allreduce_flat(self, flats: list[torch.Tensor], op: str, seq: int, async_op: bool) -> list[Work]:
         """A blocking caller's fused buffers below the gates go through the fast path's call, and the last one

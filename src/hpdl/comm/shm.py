@@ -29,13 +29,16 @@ import math
 import os
 import time
 from array import array
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 from hpdl.comm.env import env_flag, env_number
 from hpdl.errors import CommTimeoutError
+
+if TYPE_CHECKING:
+    from hpdl.comm.fusion import Bucket
 
 __all__: list[str] = []
 
@@ -88,6 +91,13 @@ DEFAULT_THRESHOLDS = {
     "broadcast": (NEVER, NEVER),
 }
 
+FUSED_ALLREDUCE_MIN = 256 * 1024
+"""Smallest fusion bucket (bytes, more than one tensor, a blocking `allreduce_coalesced`) reduced straight from
+and into its tensors through shared memory (`NodeCollectives.allreduce_packed`) instead of packed, reduced by
+MPI and unpacked (HPDL_SHM_MIN_ALLREDUCE_COALESCED overrides it). Measured on 2 ranks of a 2-core VM (MPICH
+5.0.2, one call between barriers, the two routes alternating in one job, three runs): shared memory / MPI
+1.0-1.06x at 200 KiB, 0.92-0.97x at 400 KiB, 0.81-0.90x at 800 KiB, 0.63-0.75x at 1.6 MiB, 0.45-0.6x at 8 MiB."""
+
 _yield = getattr(os, "sched_yield", lambda: None)
 _FLAG_SPINS = 4096
 """Looks at the flags the compiled wait takes before the bounded Python loop (deadline, timeout report) takes
@@ -126,6 +136,13 @@ def thresholds(op: str, measured: Optional[tuple[int, int]] = None) -> tuple[int
     if both >= 0:
         return (both, both)
     return DEFAULT_THRESHOLDS[op] if measured is None else measured
+
+
+def fused_threshold() -> int:
+    """Bytes from which a blocking coalesced allreduce's buckets take `allreduce_packed`."""
+    return env_number(
+        "HPDL_SHM_MIN_ALLREDUCE_COALESCED", FUSED_ALLREDUCE_MIN, int, "a number of bytes", allow_zero=True
+    )
 
 
 def _views(win: Any, size: int) -> list[torch.Tensor]:
@@ -351,21 +368,63 @@ class NodeCollectives:
             self._stage_in(zero_copy, piece, at)
             self._sync("allreduce: inputs")
             sources = self._sources(t.dtype, start, piece.numel(), at)
-            lo, hi = _bounds(piece.numel(), self.local_size, self.local_rank)
-            mine = sources[self.local_rank][lo:hi]
-            acc = mine.float() if t.dtype in _HALF else mine  # 16-bit floats accumulate in float32
-            for offset in range(1, self.local_size):
-                _combine(acc, sources[(self.local_rank + offset) % self.local_size][lo:hi], op)
-            if across is not None:
-                across(acc, op)
-            if acc is not mine:
-                mine.copy_(acc)
+            self._reduce_my_slice(sources, piece.numel(), op, across)
             self._sync("allreduce: reduced slices")
             for rank in range(self.local_size):
                 if rank != self.local_rank or not zero_copy:
                     a, b = _bounds(piece.numel(), self.local_size, rank)
                     piece[a:b].copy_(sources[rank][a:b])
             self._sync("allreduce: results read")
+
+    def _reduce_my_slice(
+        self,
+        sources: list[torch.Tensor],
+        count: int,
+        op: str,
+        across: Optional[Callable[[torch.Tensor, str], None]],
+        divisor: int = 1,
+    ) -> None:
+        """Reduce this rank's slice of `count` elements over every rank's source, into its own source."""
+        lo, hi = _bounds(count, self.local_size, self.local_rank)
+        mine = sources[self.local_rank][lo:hi]
+        acc = mine.float() if mine.dtype in _HALF else mine  # 16-bit floats accumulate in float32
+        for offset in range(1, self.local_size):
+            _combine(acc, sources[(self.local_rank + offset) % self.local_size][lo:hi], op)
+        if across is not None:
+            across(acc, op)
+        if divisor != 1:
+            acc.div_(divisor)
+        if acc is not mine:
+            mine.copy_(acc)
+
+    def allreduce_packed(
+        self,
+        bucket: Bucket,
+        op: str,
+        across: Optional[Callable[[torch.Tensor, str], None]] = None,
+        divisor: int = 1,
+    ) -> None:
+        """Allreduce a fusion bucket without its flat buffer: the tensors are staged straight into the segment
+        and the reduced slices copied straight back into them, where packing the flat buffer, reducing it and
+        unpacking it copy everything twice more (`divisor`: the reduced values are divided by it, an average)."""
+        self._words[self.local_rank][1] = -1  # staged, not in a shared buffer
+        dtype, itemsize = bucket.flat.dtype, bucket.flat.element_size()
+        step = self._chunk(dtype)
+        slots = self._slots(step * itemsize)
+        stage = self._stage[self.local_rank].data_ptr()
+        count = bucket.flat.numel()
+        for start in range(0, count, step):
+            n, at = min(step, count - start), next(slots)
+            bucket.pack_range(stage + at, start * itemsize, n * itemsize)
+            self._sync("allreduce_coalesced: inputs")
+            sources = self._sources(dtype, start, n, at)
+            self._reduce_my_slice(sources, n, op, across, divisor)
+            self._sync("allreduce_coalesced: reduced slices")
+            for rank in range(self.local_size):
+                a, b = _bounds(n, self.local_size, rank)
+                bucket.unpack_range(sources[rank][a:b].data_ptr(), (start + a) * itemsize, (b - a) * itemsize)
+            self._sync("allreduce_coalesced: results read")
+        bucket.modified()
 
     def reduce_scatter(self, t: torch.Tensor, op: str, out: torch.Tensor) -> None:
         """This rank's block of dim 0 of the node-wide reduction of `t`, into `out` (sum for avg)."""
