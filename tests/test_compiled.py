@@ -200,6 +200,55 @@ def test_compiled_paths_record_and_return_what_python_does(ranks, nprocs):
             assert value.dtype == expected_value.dtype and torch.equal(value, expected_value)
 
 
+def brief_starts(comm):
+    """`start_briefly`: a call both ranks make together completes in it; one whose peer comes 0.2 s late comes
+    back running after the short wait, and its wait gives the answer; what the fast path does not take starts
+    nothing."""
+    import time
+
+    from hpdl.comm.base import DECLINED
+
+    rank, size = comm.rank, comm.size
+    out = {}
+    comm.barrier()
+    x = torch.arange(5.0) + rank
+    work = comm.start_briefly("allreduce", x, "sum")  # None, unless a rank was descheduled after the barrier
+    if work is not None:
+        work.wait()
+    out["together"] = x
+    for op, arg in (("allreduce", "max"), ("broadcast", size - 1)):
+        y = torch.arange(3, dtype=torch.int64) * (rank + 1)
+        comm.barrier()
+        if rank == 1:
+            time.sleep(0.2)
+        started = time.perf_counter()
+        work = comm.start_briefly(op, y, arg)
+        returned_after = time.perf_counter() - started
+        running = work is not None
+        if running:
+            work.wait()
+        out[op] = (rank == 0 and running and returned_after < 0.1) or rank == 1, y
+    seq = comm._seq
+    declined = [
+        comm.start_briefly("allreduce", torch.ones(4), "avg"),
+        comm.start_briefly("allreduce", torch.ones(4, 2).t(), "sum"),  # not contiguous
+        comm.start_briefly("allreduce", torch.ones(1 << 24), "sum"),  # the shared-memory route's size
+        comm.start_briefly("broadcast", torch.ones(4), size),  # no such root
+    ]
+    out["declined"] = all(d is DECLINED for d in declined) and comm._seq == seq
+    return out
+
+
+@pytest.mark.parametrize("env", [None, {"HPDL_COMPILED": "0"}], ids=["compiled", "mpi4py"])
+def test_a_brief_start_completes_or_hands_back_the_running_call(ranks, env):
+    results = ranks("mpi", 2, env=env).run(brief_starts)
+    for out in results:
+        assert torch.equal(out["together"], torch.arange(5.0) * 2 + 1)
+        assert out["allreduce"][0] and torch.equal(out["allreduce"][1], torch.arange(3) * 2)
+        assert out["broadcast"][0] and torch.equal(out["broadcast"][1], torch.arange(3) * 2)
+        assert out["declined"]
+
+
 def collectives_on_the_communicator(comm):
     rank, size = comm.rank, comm.size
     x = torch.arange(6, dtype=torch.float64) + rank

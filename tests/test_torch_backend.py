@@ -91,6 +91,7 @@ def test_collectives_start_at_once_and_callbacks_keep_their_place(pool):
         assert out["callback waits for a later one"] == ([total] * 4, [total] * 6)
         assert out["collect_all's callback issues one"] == ([total] * 9, [total] * 5, [total] * 7)
         assert out["receive's callback"] == ([total] * 3, [7.0] * 2 if rank == 1 else [0.0] * 2)
+        assert out["blocking, alone, a peer late"] == ([float(k)] * 3, [float(k)] * 2)
         assert out["callback waits for its own"] == ([total] * 5, True)
         for how in ("work", "future"):
             assert out[f"same batch, {how}"] == ([total] * 4, [total] * 6, [total] * 8)

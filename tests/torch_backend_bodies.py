@@ -479,6 +479,13 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
         received.wait()
     out["receive's callback"] = (f.tolist(), got.tolist())
 
+    # Blocking calls with nothing else in flight, the last rank late: the others' calls are still running after
+    # the engine's short wait (`start_briefly` hands them back) and complete in the progress machinery.
+    alone, rooted = value(3), value(2)
+    dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+    dist.broadcast(rooted, src=size - 1)
+    out["blocking, alone, a peer late"] = (alone.tolist(), rooted.tolist())
+
     # A callback waits for its own operation (torch's documented `fut.wait()` in a callback, and work.wait()):
     # it returns at once (found in review: both spun until the group's timeout).
     own = value(5)

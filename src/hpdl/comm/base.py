@@ -41,6 +41,9 @@ __all__ = ["Communicator", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 300.0
 """Seconds any single wait may take before it becomes a `CommTimeoutError` (HPDL_TIMEOUT overrides)."""
 EXIT_BARRIER_SECONDS = 30.0
+
+DECLINED = object()
+"""`start_briefly`'s answer when the engine has no such call for these arguments (nothing was started)."""
 """At most this long, `finalize` waits for the other ranks before closing the engine."""
 
 
@@ -323,6 +326,12 @@ class Communicator(ABC):
         if child is not None:
             self._children.append(child)
         return child
+
+    def start_briefly(self, op: str, tensor: torch.Tensor, arg: Any) -> Any:
+        """A blocking `allreduce(tensor, arg)` or `broadcast(tensor, arg)` that waits only briefly: None once it
+        completed, its running `Work` after the engine's short wait, or `DECLINED` where the engine has no such
+        call (here: never)."""
+        return DECLINED
 
     def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A 1-D tensor that collectives can reduce without copying it in (zero-copy buckets).

@@ -24,7 +24,7 @@ import torch
 
 from hpdl.comm import agreement, fusion, mpi_calls, shm
 from hpdl.comm import tuning as tuning_file
-from hpdl.comm.base import Communicator, is_block_of
+from hpdl.comm.base import DECLINED, Communicator, is_block_of
 from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.progress import OP_CODES, OP_NAMES, ProgressBoard, State
 from hpdl.comm.work import Work, completed, poll_until
@@ -215,6 +215,8 @@ class MpiCommunicator(Communicator):
         """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not MPI_Ireduce_scatter_block."""
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
+        self._hand_back: Optional[list[Work]] = None
+        """Set by `start_briefly`: where the fast paths put an operation still running after their short wait."""
         self._open_shm_gates()
         calls, self.calls = mpi_calls.select()
         """Which MPI calls the fast paths make: compiled (hpdl.comm._mpi_fast) or mpi4py's, and why."""
@@ -266,12 +268,17 @@ class MpiCommunicator(Communicator):
                 setattr(self, name, getattr(fast, name))
 
     def _fast_slow(self, op: str, seq: int, keep: Any, request: Any, code: int) -> None:
-        """The compiled paths' way out: the bounded wait of an operation still running after their own short wait,
-        or the error of an MPI call that failed (`request` None, MPI's error `code`)."""
+        """The fast paths' way out: the bounded wait of an operation still running after their own short wait (or,
+        inside `start_briefly`, its `Work` handed back), or the error of an MPI call that failed (`request` None,
+        MPI's error `code`)."""
         try:
             if request is None:
                 raise MPI.Exception(code)
-            Work(self, op, seq, request.Test, keep=keep).wait()
+            work: Work = Work(self, op, seq, request.Test, keep=keep)
+            if self._hand_back is not None:
+                self._hand_back.append(work)
+                return
+            work.wait()
         except MPI.Exception as exc:
             raise self._engine_error(op, seq, exc) from exc
 
@@ -324,7 +331,7 @@ class MpiCommunicator(Communicator):
                             average = (lambda: tensor.div_(self.size)) if op == "avg" else None
                             return Work(self, "allreduce", seq, request.Test, average, keep=tensor).returns(tensor)
                         if request is not None:
-                            Work(self, "allreduce", seq, request.Test, keep=tensor).wait()
+                            self._fast_slow("allreduce", seq, tensor, request, 0)
                     except MPI.Exception as exc:
                         raise self._engine_error("allreduce", seq, exc) from exc
                     if op == "avg":
@@ -449,7 +456,7 @@ class MpiCommunicator(Communicator):
                         if async_op:
                             return Work(self, "broadcast", seq, request.Test, keep=tensor).returns(tensor)
                         if request is not None:
-                            Work(self, "broadcast", seq, request.Test, keep=tensor).wait()
+                            self._fast_slow("broadcast", seq, tensor, request, 0)
                     except MPI.Exception as exc:
                         raise self._engine_error("broadcast", seq, exc) from exc
                     return tensor
@@ -491,6 +498,32 @@ class MpiCommunicator(Communicator):
                     raise _short_message(got, src, tag, tensor)
                 return tensor
         return super().recv(tensor, src, tag=tag, async_op=async_op)
+
+    def start_briefly(self, op: str, tensor: torch.Tensor, arg: Any) -> Any:
+        """The fast path's blocking call, compiled where built, with the fast path's own short wait (`_WAIT`) and
+        no longer: for the torch backend, which issues under the lock that orders its calls (blocking there for
+        an operation that a peer joins late would keep this process's other threads from issuing theirs), and
+        through this saves the `Work` and the Python loop of tests that most small calls never need."""
+        if type(tensor) is not _Tensor or not self._plain or not tensor.is_cpu or not tensor.is_contiguous():
+            return DECLINED
+        if op == "allreduce":  # (avg divides after the wait: it keeps the general route)
+            eligible = arg != "avg" and (tensor.dtype, arg) in self._fast_allreduce
+            below = self._fast_allreduce_below
+        else:
+            eligible = type(arg) is int and 0 <= arg < self.size and self._fast_move.get(tensor.dtype) is not None
+            below = self._fast_broadcast_below
+        if not eligible or tensor.nbytes >= below:
+            return DECLINED
+        handed: list[Work] = []
+        self._hand_back = handed
+        try:
+            if op == "allreduce":
+                self.allreduce(tensor, arg)
+            else:
+                self.broadcast(tensor, arg)
+        finally:
+            self._hand_back = None
+        return handed[0] if handed else None
 
     def _vote(self, vote: torch.Tensor, seq: int) -> None:
         """The agreement check's 16-byte MAX on the fast path's call: it runs every `check_every` collectives."""

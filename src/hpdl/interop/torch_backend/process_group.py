@@ -71,8 +71,9 @@ class HpdlProcessGroup(dist.ProcessGroup):
             if op is not None and t.is_cpu and t.is_contiguous():
                 comm, blocking = self.comm, not getattr(opts, "asyncOp", True)  # (said by torch >= 2.6)
                 return progress.submit_one(
-                    comm, lambda: comm.allreduce(t, op, async_op=True), HpdlWork(tensors), t.nbytes, blocking=blocking
-                )
+                    comm, lambda: comm.allreduce(t, op, async_op=True), HpdlWork(tensors), t.nbytes, blocking=blocking,
+                    briefly=lambda: comm.start_briefly("allreduce", t, op),
+                )  # fmt: skip
         return self._submit(lambda: ops.allreduce(self.comm, tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> HpdlWork:
@@ -88,8 +89,9 @@ class HpdlProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and tensors[0].is_cpu and tensors[0].is_contiguous():
             t, root, comm, blocking = tensors[0], opts.rootRank, self.comm, not getattr(opts, "asyncOp", True)
             return progress.submit_one(
-                comm, lambda: comm.broadcast(t, root, async_op=True), HpdlWork(tensors), t.nbytes, blocking=blocking
-            )
+                comm, lambda: comm.broadcast(t, root, async_op=True), HpdlWork(tensors), t.nbytes, blocking=blocking,
+                briefly=lambda: comm.start_briefly("broadcast", t, root),
+            )  # fmt: skip
         return self._submit(lambda: ops.broadcast(self.comm, tensors, opts), tensors)
 
     def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> HpdlWork:
