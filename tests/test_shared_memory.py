@@ -117,15 +117,35 @@ def packed_buckets(comm):
                 tensors = [make_input(comm.rank, n, dtype, op) for n in sizes]
                 returned = comm.allreduce_coalesced(tensors, op)
                 out[(str(dtype), op)] = (returned[0] is tensors[0], tensors)
+        counted = list(packed)
+        # A tensor given twice, and overlapping views, read before any piece is written back (found in review:
+        # they were summed twice once a bucket spanned two pieces).
+        x = make_input(comm.rank, 40_000, torch.float32)
+        whole = make_input(comm.rank, 50_000, torch.float32)
+        comm.allreduce_coalesced([x, x, whole[:30_000], whole[20_000:]])
+        out["shared memory"] = (x, whole)
+        # The same call where one rank's tensors take the flat buffer (autograd tracks them) and the others' do
+        # not: an average divides each slice once (found in review: rank 0's slices twice, rank 1's never).
+        mixed = [make_input(comm.rank, n, torch.float32, "avg") for n in (30_000, 40_000)]
+        with torch.no_grad():
+            for t in mixed:
+                t.requires_grad_(comm.rank == 1)
+            comm.allreduce_coalesced(mixed, "avg")
+        out["avg, mixed"] = [t.detach() for t in mixed]
     finally:
         fusion.Bucket.fill = fill
-    return out, packed
+    return out, counted
 
 
 @pytest.mark.parametrize("nprocs,env", [(3, FORCED), (2, dict(FORCED, HPDL_COMPILED="0")), (4, HIERARCHICAL)])
 def test_fusion_buckets_reduced_straight_from_their_tensors(ranks, nprocs, env):
     compiled = env.get("HPDL_COMPILED") != "0"
     for out, packed in ranks("mpi", nprocs, env).run(packed_buckets):
+        x, whole = out.pop("shared memory")
+        assert torch.equal(x, expected_reduce(nprocs, 40_000, torch.float32, "sum"))
+        assert torch.equal(whole, expected_reduce(nprocs, 50_000, torch.float32, "sum"))
+        for n, value in zip((30_000, 40_000), out.pop("avg, mixed")):
+            assert torch.allclose(value, expected_reduce(nprocs, n, torch.float32, "avg"))
         for (dtype_name, op), (same, tensors) in out.items():
             dtype = getattr(torch, dtype_name.replace("torch.", ""))
             assert same

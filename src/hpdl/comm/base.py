@@ -41,10 +41,10 @@ __all__ = ["Communicator", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 300.0
 """Seconds any single wait may take before it becomes a `CommTimeoutError` (HPDL_TIMEOUT overrides)."""
 EXIT_BARRIER_SECONDS = 30.0
+"""At most this long, `finalize` waits for the other ranks before closing the engine."""
 
 DECLINED = object()
 """`start_briefly`'s answer when the engine has no such call for these arguments (nothing was started)."""
-"""At most this long, `finalize` waits for the other ranks before closing the engine."""
 
 
 def default_timeout() -> float:

@@ -63,6 +63,10 @@ class Bucket:
     table: Optional[bytes] = None
     """(address, bytes) of each target for the compiled copies (CPU buckets where they were built). The plan
     keeps the targets alive and is found again only by their current addresses and sizes."""
+    disjoint: bool = True
+    """No tensor of the whole call shares memory with another: a bucket may then be reduced piece by piece straight
+    from and into its tensors (with a tensor twice, or overlapping views, a later piece would read values an
+    earlier piece already wrote back)."""
 
     def __post_init__(self) -> None:
         if len(self.targets) > 1:
@@ -90,8 +94,9 @@ class Bucket:
 
     @property
     def packs_ranges(self) -> bool:
-        """Whether `pack_range` and `unpack_range` work here (a CPU bucket with the compiled copies)."""
-        return self.table is not None
+        """Whether the bucket may be reduced with `pack_range` and `unpack_range` (a CPU bucket with the compiled
+        copies, whose tensors share memory with no other tensor of the call)."""
+        return self.table is not None and self.disjoint
 
     def pack_range(self, address: int, start: int, length: int) -> None:
         """Copy bytes [start, start + length) of the tensors' concatenation to `address` (not the flat buffer)."""
@@ -211,11 +216,19 @@ def pack(tensors: Sequence[torch.Tensor], limit_bytes: int) -> list[Bucket]:
         runs[key][-1].append(_flat(t))
         filled[key] += nbytes
     buckets = []
+    disjoint = _disjoint(tensors)
     for groups in runs.values():
         for run in groups:
             if len(run) == 1:
-                buckets.append(Bucket(run, run[0]))
+                buckets.append(Bucket(run, run[0], disjoint=disjoint))
             elif run:
                 total = sum(t.numel() for t in run)
-                buckets.append(Bucket(run, torch.empty(total, dtype=run[0].dtype, device=run[0].device)))
+                flat = torch.empty(total, dtype=run[0].dtype, device=run[0].device)
+                buckets.append(Bucket(run, flat, disjoint=disjoint))
     return buckets
+
+
+def _disjoint(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no two CPU tensors share a byte (once per plan: sorted by address)."""
+    spans = sorted((t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.is_cpu and t.numel())
+    return all(start + nbytes <= following for (start, nbytes), (following, _) in zip(spans, spans[1:]))

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import math
 import os
+import threading
 import time
 import types
 from typing import Any, Callable, Iterator, Optional
@@ -215,7 +216,7 @@ class MpiCommunicator(Communicator):
         """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not MPI_Ireduce_scatter_block."""
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
-        self._hand_back: Optional[list[Work]] = None
+        self._hand_back: Optional[tuple[int, list[Work]]] = None
         """Set by `start_briefly`: where the fast paths put an operation still running after their short wait."""
         self._open_shm_gates()
         calls, self.calls = mpi_calls.select()
@@ -275,8 +276,8 @@ class MpiCommunicator(Communicator):
             if request is None:
                 raise MPI.Exception(code)
             work: Work = Work(self, op, seq, request.Test, keep=keep)
-            if self._hand_back is not None:
-                self._hand_back.append(work)
+            if self._hand_back is not None and self._hand_back[0] == threading.get_ident():
+                self._hand_back[1].append(work)
                 return
             work.wait()
         except MPI.Exception as exc:
@@ -515,7 +516,7 @@ class MpiCommunicator(Communicator):
         if not eligible or tensor.nbytes >= below:
             return DECLINED
         handed: list[Work] = []
-        self._hand_back = handed
+        self._hand_back = (threading.get_ident(), handed)  # (another thread's call on this communicator waits)
         try:
             if op == "allreduce":
                 self.allreduce(tensor, arg)
@@ -674,25 +675,24 @@ class MpiCommunicator(Communicator):
         self, buckets: list[fusion.Bucket], op: str, seq: int, async_op: bool
     ) -> tuple[list[Work], list[fusion.Bucket]]:
         """A blocking caller's buckets from `shm.fused_threshold()` go through shared memory straight from and into
-        their tensors (no flat buffer: two copies of everything less); the others are packed for MPI."""
+        their tensors (no flat buffer: two copies of everything less); the others are packed for MPI. Every
+        bucket that travels in its flat buffer is packed before any result is written back, as on MPI alone (a
+        tensor given twice, or overlapping another, is read once, before it changes)."""
+        nodes = [None if async_op else self._shared_memory_for_bucket(bucket) for bucket in buckets]
+        for bucket, node in zip(buckets, nodes):
+            if node is None or not bucket.packs_ranges:
+                bucket.fill()
+        across = self._across_nodes if self._cross is not None else None
+        divisor = self.size if op == "avg" else 1
         packed = []
-        for bucket in buckets:
-            node = None if async_op else self._shared_memory_for_bucket(bucket)
+        for bucket, node in zip(buckets, nodes):
             if node is None:
                 packed.append(bucket)
-                continue
-            across = self._across_nodes if self._cross is not None else None
-            divisor = self.size if op == "avg" else 1
-            if bucket.packs_ranges:
+            elif bucket.packs_ranges:
                 node.allreduce_packed(bucket, op, across, divisor)
-            else:  # not compiled, or tensors autograd tracks: the same route through the flat buffer
-                bucket.fill()
-                node.allreduce(bucket.flat, op, across)
-                if divisor != 1:
-                    bucket.flat.div_(divisor)
+            else:  # not compiled, or tensors autograd tracks or that share memory: the route through the flat buffer
+                node.allreduce(bucket.flat, op, across, divisor)
                 bucket.unpack()
-        for bucket in packed:
-            bucket.fill()
         works = self._allreduce_flat([bucket.flat for bucket in packed], op, seq, async_op)
         return works, packed
 

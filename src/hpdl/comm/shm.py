@@ -353,8 +353,15 @@ class NodeCollectives:
         return itertools.cycle(range(0, max(self.segment // max(size, 1), 1) * size, size))
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, t: torch.Tensor, op: str, across: Optional[Callable[[torch.Tensor, str], None]] = None) -> None:
-        """Reduce `t` in place across the node (sum for avg: the caller divides), then `across` nodes.
+    def allreduce(
+        self,
+        t: torch.Tensor,
+        op: str,
+        across: Optional[Callable[[torch.Tensor, str], None]] = None,
+        divisor: int = 1,
+    ) -> None:
+        """Reduce `t` in place across the node (sum for avg: the caller divides, or says `divisor`: each slice is
+        divided where it is reduced), then `across` nodes.
 
         Each piece: inputs visible (staged or in place) -> rank i reduces slice i
         into its own source -> every rank copies the reduced slices it lacks.
@@ -368,7 +375,7 @@ class NodeCollectives:
             self._stage_in(zero_copy, piece, at)
             self._sync("allreduce: inputs")
             sources = self._sources(t.dtype, start, piece.numel(), at)
-            self._reduce_my_slice(sources, piece.numel(), op, across)
+            self._reduce_my_slice(sources, piece.numel(), op, across, divisor)
             self._sync("allreduce: reduced slices")
             for rank in range(self.local_size):
                 if rank != self.local_rank or not zero_copy:
