@@ -27,7 +27,9 @@ def test_pack_groups_by_dtype_and_bounds_bucket_bytes():
 
 def filled(packer, tensors, limit=1 << 20):
     plan = packer.acquire(tensors, limit)
-    plan.fill()
+    for bucket in plan.buckets:
+        bucket.fill()
+    plan.busy = True  # in flight until unpacked, as allreduce_coalesced marks it
     return plan
 
 

@@ -148,12 +148,6 @@ class Plan:
             and list(map(_DTYPE, tensors)) == self.dtype_list
         )  # fmt: skip
 
-    def fill(self) -> None:
-        """Copy the tensors' current values into the flat buffers; the plan is busy until they are unpacked."""
-        for bucket in self.buckets:
-            bucket.fill()
-        self.busy = True
-
 
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
@@ -176,7 +170,8 @@ class Packer:
         return plan
 
     def acquire(self, tensors: Sequence[torch.Tensor], limit_bytes: int) -> Plan:
-        """A plan for these tensors (remembered or new); `fill` it, and clear its `busy` after unpacking."""
+        """A plan for these tensors (remembered or new): mark it `busy` while its buckets are in flight, clear it after
+        unpacking."""
         # A plan holds views of its tensors, so their memory cannot be reused by
         # others while it is remembered: equal addresses and sizes mean the same tensors.
         pointers = list(map(_DATA_PTR, tensors))  # C-level maps: ~0.1 us a tensor
