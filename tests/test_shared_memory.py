@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +237,36 @@ def test_default_thresholds_agree_on_one_path(ranks):
         assert shared_phases == 1 + 3 * pieces  # agreement + the three phases of each piece of the allreduce
         assert plain_phases == 1  # agreement only: the ordinary tensor went through MPI
         assert shared == total and plain == total and mixed == total
+
+
+SETTINGS = """
+import hpdl
+try:
+    hpdl.init(timeout=30)
+except ValueError as error:
+    print("refused:", error, flush=True)
+else:
+    print("started", flush=True)
+"""
+
+
+def test_ranks_that_read_different_path_settings_are_refused_at_init(tmp_path):
+    """Found in review: a threshold set on one rank only sent one call down two paths (a hang until the timeout).
+    The settings that choose a path are compared when the communicator is made."""
+    script = tmp_path / "settings.py"
+    script.write_text(SETTINGS)
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    one = [sys.executable, str(script)]
+    started = time.monotonic()
+    done = subprocess.run(
+        [mpiexec, "-n", "1", "-env", "HPDL_SHM_MIN_ALLREDUCE", "0", "-env", "HPDL_SHM_PIECE_MB", "1", *one, ":",
+         "-n", "1", *one],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    refusals = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2 and "started" not in done.stdout, done.stdout + done.stderr
+    for line in refusals:  # every rank names each setting with every rank's value, and says what to do
+        assert re.search(r"HPDL_SHM_MIN_ALLREDUCE \(ordinary tensors\): rank 0 0, rank 1 [1-9]", line), line
+        assert "HPDL_SHM_PIECE_MB (bytes): rank 0 1048576, rank 1 4194304" in line, line
+        assert "set the same values on every rank" in line
+    assert time.monotonic() - started < 60

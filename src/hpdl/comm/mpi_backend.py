@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from hpdl.comm import agreement, fusion, mpi_calls, shm
+from hpdl.comm import agreement, fusion, mpi_calls, same_settings, shm
 from hpdl.comm import tuning as tuning_file
 from hpdl.comm.base import DECLINED, Communicator, is_block_of
 from hpdl.comm.env import env_flag, env_number
@@ -200,20 +200,27 @@ class MpiCommunicator(Communicator):
         except Exception:
             self._progress.close()  # every rank raises the same error: leave MPI as hpdl.init found it
             raise
-        self._exit_comm = mpi_comm.Dup()
-        """Where the exit barrier meets: MPI pairs nonblocking collectives by order alone, so on `mpi_comm` a
-        rank still inside a collective would take the others' exit barrier for it (and return garbage)."""
         self.shared_memory = shm.enabled()
         """Use the shared-memory path inside the node (HPDL_SHM); set before the first large collective."""
         # Read once: this is consulted on every collective.
-        if self._tuning is not None:  # every rank must look up the same entry
-            local_size = tuning_file.uniform_node_size(mpi_comm, local_size, timeout)
-        measured, self.shm_thresholds_source = tuning_file.thresholds_for(self._tuning, local_size, library_version())
-        """Where the shared-memory thresholds come from: `hpdl tune`'s file, or built in (and why)."""
-        self._shm_thresholds = {op: shm.thresholds(op, measured[op]) for op in shm.DEFAULT_THRESHOLDS}
-        self._fused_shm_min = shm.fused_threshold()
-        self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
-        """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not MPI_Ireduce_scatter_block."""
+        try:
+            if self._tuning is not None:  # every rank must look up the same entry
+                local_size = tuning_file.uniform_node_size(mpi_comm, local_size, timeout)
+            measured, self.shm_thresholds_source = tuning_file.thresholds_for(
+                self._tuning, local_size, library_version()
+            )
+            """Where the shared-memory thresholds come from: `hpdl tune`'s file, or built in (and why)."""
+            self._shm_thresholds = {op: shm.thresholds(op, measured[op]) for op in shm.DEFAULT_THRESHOLDS}
+            self._fused_shm_min = shm.fused_threshold()
+            self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
+            """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not ..._block."""
+            same_settings.agree(mpi_comm, self._path_settings(), timeout)
+        except Exception:
+            self._progress.close()  # every rank raises the same error: leave MPI as it was
+            raise
+        self._exit_comm = mpi_comm.Dup()
+        """Where the exit barrier meets: MPI pairs nonblocking collectives by order alone, so on `mpi_comm` a
+        rank still inside a collective would take the others' exit barrier for it (and return garbage)."""
         self._node: Optional[shm.NodeCollectives] = None
         self._cross: Any = None
         self._hand_back: Optional[tuple[int, list[Work]]] = None
@@ -267,6 +274,24 @@ class MpiCommunicator(Communicator):
         for name in names:
             if getattr(type(self), name) is _DEFINED[name]:
                 setattr(self, name, getattr(fast, name))
+
+    def _path_settings(self) -> dict[str, int]:
+        """What decides, per call, which path a collective takes and how: every rank must read the same."""
+        settings = {
+            "HPDL_DEBUG": int(self._debug),
+            "HPDL_CHECK_EVERY": self.check_every,
+            "HPDL_SHM": int(self.shared_memory),
+            "HPDL_SHM_MB (bytes)": shm.segment_bytes(),
+            "HPDL_SHM_PIECE_MB (bytes)": shm.piece_bytes(),
+            "HPDL_SHM_MIN_ALLREDUCE_COALESCED": self._fused_shm_min,
+            "HPDL_FUSION_MB (bytes)": fusion.bucket_bytes(None),
+            "HPDL_COUNTED_REDUCE_SCATTER (from)": self._counted_reduce_scatter[0],
+            "HPDL_COUNTED_REDUCE_SCATTER (to)": self._counted_reduce_scatter[1],
+        }
+        for op, (zero_copy, ordinary) in self._shm_thresholds.items():
+            settings[f"HPDL_SHM_MIN_{op.upper()} (shared buffers)"] = zero_copy
+            settings[f"HPDL_SHM_MIN_{op.upper()} (ordinary tensors)"] = ordinary
+        return settings
 
     def _fast_slow(self, op: str, seq: int, keep: Any, request: Any, code: int) -> None:
         """The fast paths' way out: the bounded wait of an operation still running after their own short wait (or,
