@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hpdl.comm.work import poll_until
-from hpdl.errors import CommTimeoutError
+from hpdl.comm.work import wait_for
 
 __all__: list[str] = []
 
@@ -52,9 +51,4 @@ def _shown(value: int) -> str:
 
 
 def _bounded(request: Any, deadline: float, timeout: float) -> None:
-    if not poll_until(request.Test, deadline):
-        raise CommTimeoutError(
-            f"hpdl: comparing the ranks' settings did not complete within {timeout:.0f} s (a rank stopped while "
-            "the communicator was being made)",
-            op="settings",
-        )
+    wait_for(request, deadline, timeout, "hpdl: comparing the ranks' settings (a new communicator)", "settings")

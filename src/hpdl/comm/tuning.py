@@ -22,8 +22,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from hpdl.comm import shm
-from hpdl.comm.work import poll_until
-from hpdl.errors import CommTimeoutError, TuneFileError
+from hpdl.comm.work import wait_for
+from hpdl.errors import TuneFileError
 
 __all__ = ["ENV", "FORMAT", "WIN", "Tuning", "agree", "choose", "default_path", "new", "path", "read",
            "thresholds_for", "write"]  # fmt: skip
@@ -212,9 +212,4 @@ def uniform_node_size(mpi_comm: Any, local_size: int, timeout: float) -> int:
 
 
 def _bounded(request: Any, deadline: float, timeout: float) -> None:
-    if not poll_until(request.Test, deadline):
-        raise CommTimeoutError(
-            f"hpdl.init: rank 0's shared-memory thresholds did not reach every rank within {timeout:.0f} s "
-            "(a rank stopped during start-up)",
-            op="tuning",
-        )
+    wait_for(request, deadline, timeout, "hpdl.init: sending rank 0's shared-memory thresholds to every rank", "tuning")

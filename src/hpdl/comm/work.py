@@ -73,6 +73,13 @@ def poll_until(test: Callable[[], bool], deadline: float, watch: Optional[Callab
             _yield()  # a peer on the same core needs it to send what this rank waits for
 
 
+def wait_for(request: Any, deadline: float, timeout: float, what: str, op: str) -> None:
+    """Test an MPI `request` until it completes, or raise `CommTimeoutError` saying `what` did not complete
+    within `timeout` once `deadline` passed (the start-up collectives' bounded wait: no Work or peers yet)."""
+    if not poll_until(request.Test, deadline):
+        raise CommTimeoutError(f"{what} did not complete within {timeout:.0f} s (a rank stopped in start-up)", op=op)
+
+
 _ORPHANS: list[Any] = []
 """Unfinished MPI operations whose handles were dropped (e.g. a step abandoned after a failure). MPI holds
 only the buffers' addresses and may still write into them when a peer's message arrives: they are kept
