@@ -149,4 +149,6 @@ def test_skipped_new_group_and_collective_are_timeouts_naming_the_rank(ranks):
     assert "no word from rank(s) [2]" in group_0[1] and "no answer from rank(s) [0]" in group_1[1], results
     for kind, message in (reduce_0, reduce_1):
         assert kind == "CommTimeoutError" and "Did not arrive: rank 2" in message, results
+        waited = re.search(r"did not complete within ([0-9.]+) s", message)  # how long it waited (said 0.0 s)
+        assert waited and float(waited.group(1)) >= 2.0, message
     assert time.monotonic() - started < 40

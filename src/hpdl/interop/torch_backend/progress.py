@@ -106,7 +106,9 @@ class _Pending:
                             self.next_watch = now + WATCH_SECONDS
                             self.comm._check_peers(part.op, part.seq)
                         return False, None, None
-                    part.wait(timeout=0.0)  # raises hpdl's CommTimeoutError, naming the missing ranks
+                    if not part.is_completed():  # (a last look) hpdl's CommTimeoutError, naming the missing ranks
+                        raise self.comm._timeout_error(part.op, part.seq, now - self.started)
+                    part.wait()
             return True, (self.finish() if self.finish is not None else None), None
         except BaseException as exc:  # every failure goes to the waiting side
             return True, None, exc
