@@ -181,6 +181,33 @@ def test_hierarchical_status_names_the_nodes(ranks):
     assert all("hierarchical allreduce across 2 nodes" in s for s in statuses), statuses
 
 
+def first_large_call_skipped(comm):
+    """A new communicator's first collective above the thresholds starts the engine; the last rank skips it."""
+    from hpdl.errors import CommTimeoutError
+
+    sub = comm.split(0)
+    sub.timeout = 2.0
+    if comm.rank == comm.size - 1:
+        return None
+    try:
+        sub.allreduce(torch.ones(1000))
+    except CommTimeoutError as error:
+        return str(error), error.op, error.missing
+    return "returned"
+
+
+def test_a_rank_that_skips_the_engines_first_call_is_named_in_that_calls_terms(ranks):
+    """Found in review: the timeout was reported as the engine's start-up barrier, not as the call that starts it."""
+    pool = ranks("mpi", 3, dict(FORCED, HPDL_POOL_FOR="a skipped start"))
+    results = pool.run(first_large_call_skipped, timeout=60)
+    pool.kill()  # the others' start-up barrier is still pending: the next user gets a fresh pool
+    assert results[-1] is None
+    for message, op, missing in results[:-1]:
+        assert op == "allreduce" and missing == (2,), (op, missing, message)
+        assert "starts the node's shared-memory engine at allreduce #" in message, message
+        assert "Did not arrive: rank 2" in message, message
+
+
 DIES = """
 import os, sys, torch, hpdl
 comm = hpdl.init(timeout=5)

@@ -576,12 +576,13 @@ class MpiCommunicator(Communicator):
 
     # Shared memory inside the node (see shm.py): started at the first large collective,
     # which every rank reaches with the same size, so the collective set-up is reached together.
-    def _shared_memory(self, op: str, nbytes: int, t: torch.Tensor) -> Optional[shm.NodeCollectives]:
+    def _shared_memory(self, op: str, nbytes: int, t: torch.Tensor, called: str = "") -> Optional[shm.NodeCollectives]:
         """The node's shared-memory engine when `op` on `t` should use it (the same answer on every rank).
 
         Ordinary tensors of at least the larger threshold always go through it
         (copied in); between the thresholds only when every rank's tensor is
         already in a shared window (zero copy), which the ranks agree on first.
+        `called`: what the caller called, for the engine's start-up error, when it is not `op`.
         """
         if nbytes < self._shm_smallest:
             return None
@@ -591,17 +592,27 @@ class MpiCommunicator(Communicator):
         if nbytes < ordinary and (self._node is None or not self._node.has_buffers):
             return None
         if self._node is None and self.shm_status.startswith("not started"):
-            self._start_shared_memory()
+            self._start_shared_memory(called or op)
         if self._node is None or (self._cross is not None and op != "allreduce"):
             return None  # across nodes only the allreduce is hierarchical; the rest stay with MPI
         if nbytes < ordinary and not self._node.all_zero_copy(t):
             return None
         return self._node
 
-    def _start_shared_memory(self) -> None:
+    def _start_shared_memory(self, op: str) -> None:
         self.shm_status = "starting"  # the set-up's own small collectives go through MPI
         # Every rank must be here before the unbounded MPI set-up calls below.
-        self._barrier(self._seq).wait()
+        try:
+            self._barrier(self._seq).wait()
+        except CommTimeoutError as exc:  # said as the caller's collective, which this barrier starts
+            raise CommTimeoutError(
+                f"{exc} This barrier starts the node's shared-memory engine at {op} #{self._seq}, the first "
+                "collective above its size threshold on this communicator: every rank must make the same call "
+                "here.",
+                op=op,
+                seq=self._seq,
+                missing=exc.missing,
+            ) from None
         node = node_comm(self.mpi_comm)
         local = node.Get_size()
         wanted = int(self.shared_memory)
@@ -638,7 +649,7 @@ class MpiCommunicator(Communicator):
         Work(self, "allreduce (across nodes)", self._seq, request.Test).wait()
 
     def shared_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        node = self._shared_memory("allreduce", shm.NEVER, torch.empty(0))
+        node = self._shared_memory("allreduce", shm.NEVER, torch.empty(0), called="shared_buffer")
         if node is None:
             return super().shared_buffer(numel, dtype)
         made = node.shared_buffer(numel, dtype)
@@ -727,7 +738,7 @@ class MpiCommunicator(Communicator):
         if len(bucket.targets) < 2 or bucket.flat.nbytes < self._fused_shm_min or not bucket.flat.is_cpu:
             return None
         if self._node is None and self.shm_status.startswith("not started"):
-            self._start_shared_memory()
+            self._start_shared_memory("allreduce_coalesced")
         return self._node
 
     def _allreduce_flat(self, flats: list[torch.Tensor], op: str, seq: int, async_op: bool) -> list[Work]:
