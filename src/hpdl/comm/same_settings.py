@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from hpdl.comm import shm
 from hpdl.comm.work import wait_for
 
 __all__: list[str] = []
@@ -47,7 +48,7 @@ def agree(mpi_comm: Any, settings: dict[str, int], timeout: float) -> None:
 
 
 def _shown(value: int) -> str:
-    return "never" if value >= 1 << 62 else str(value)
+    return "never" if value >= shm.NEVER else str(value)
 
 
 def _bounded(request: Any, deadline: float, timeout: float) -> None:
