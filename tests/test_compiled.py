@@ -234,8 +234,11 @@ def brief_starts(comm):
         comm.start_briefly("allreduce", torch.ones(4, 2).t(), "sum"),  # not contiguous
         comm.start_briefly("allreduce", torch.ones(1 << 24), "sum"),  # the shared-memory route's size
         comm.start_briefly("broadcast", torch.ones(4), size),  # no such root
+        comm.start_briefly("allreduce", torch.ones(4, dtype=torch.float16), "sum"),  # widened on the general path
+        comm.start_briefly("allreduce", torch.ones(4, dtype=torch.complex64), "max"),  # the general path's error
     ]
     out["declined"] = all(d is DECLINED for d in declined) and comm._seq == seq
+    out["general path after"] = comm.allreduce(torch.ones(4, dtype=torch.float16))  # not stopped at the door
     return out
 
 
@@ -247,6 +250,7 @@ def test_a_brief_start_completes_or_hands_back_the_running_call(ranks, env):
         assert out["allreduce"][0] and torch.equal(out["allreduce"][1], torch.arange(3) * 2)
         assert out["broadcast"][0] and torch.equal(out["broadcast"][1], torch.arange(3) * 2)
         assert out["declined"]
+        assert torch.equal(out["general path after"], torch.full((4,), 2.0, dtype=torch.float16))
 
 
 def collectives_on_the_communicator(comm):

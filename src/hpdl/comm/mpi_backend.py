@@ -363,6 +363,7 @@ class MpiCommunicator(Communicator):
                     if op == "avg":
                         tensor.div_(self.size)
                     return tensor
+        self._decline_brief()
         return super().allreduce(tensor, op, async_op=async_op)
 
     def allgather(
@@ -486,6 +487,7 @@ class MpiCommunicator(Communicator):
                     except MPI.Exception as exc:
                         raise self._engine_error("broadcast", seq, exc) from exc
                     return tensor
+        self._decline_brief()
         return super().broadcast(tensor, root, async_op=async_op)
 
     def send(self, tensor: Any, dst: int, *, tag: int = 0, async_op: bool = False) -> Any:
@@ -529,17 +531,12 @@ class MpiCommunicator(Communicator):
         """The fast path's blocking call, compiled where built, with the fast path's own short wait (`_WAIT`) and
         no longer: for the torch backend, which issues under the lock that orders its calls (blocking there for
         an operation that a peer joins late would keep this process's other threads from issuing theirs), and
-        through this saves the `Work` and the Python loop of tests that most small calls never need."""
-        if type(tensor) is not _Tensor or not self._plain or not tensor.is_cpu or not tensor.is_contiguous():
-            return DECLINED
-        if op == "allreduce":  # (avg divides after the wait: it keeps the general route)
-            eligible = arg != "avg" and (tensor.dtype, arg) in self._fast_allreduce
-            below = self._fast_allreduce_below
-        else:
-            eligible = type(arg) is int and 0 <= arg < self.size and self._fast_move.get(tensor.dtype) is not None
-            below = self._fast_broadcast_below
-        if not eligible or tensor.nbytes >= below:
-            return DECLINED
+        through this saves the `Work` and the Python loop of tests that most small calls never need.
+
+        Which calls qualify is the fast paths' own decision, not a copy of their conditions: a call they do not
+        take reaches the general path, which stops it at its door (`_decline_brief`) before it starts anything."""
+        if op == "allreduce" and arg == "avg":
+            return DECLINED  # the fast path divides after its wait: handed back still running, it would divide early
         handed: list[Work] = []
         self._hand_back = (threading.get_ident(), handed)  # (another thread's call on this communicator waits)
         try:
@@ -547,9 +544,17 @@ class MpiCommunicator(Communicator):
                 self.allreduce(tensor, arg)
             else:
                 self.broadcast(tensor, arg)
+        except _Declined:
+            return DECLINED
         finally:
             self._hand_back = None
         return handed[0] if handed else None
+
+    def _decline_brief(self) -> None:
+        """The general path's door inside this thread's `start_briefly`: nothing numbered or started yet."""
+        hand_back = self._hand_back
+        if hand_back is not None and hand_back[0] == threading.get_ident():
+            raise _Declined
 
     def _vote(self, vote: torch.Tensor, seq: int) -> None:
         """The agreement check's 16-byte MAX on the fast path's call: it runs every `check_every` collectives."""
@@ -920,6 +925,10 @@ _NOT_FAST = (None, None, 0)
 _ALLREDUCE, _ALLGATHER, _REDUCE_SCATTER, _BROADCAST = (
     OP_CODES[name] for name in ("allreduce", "allgather", "reduce_scatter", "broadcast")
 )
+
+
+class _Declined(Exception):
+    """Inside `start_briefly`: the fast path did not take the call (see `_decline_brief`)."""
 
 
 class FastTables:
