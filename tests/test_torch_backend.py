@@ -160,6 +160,45 @@ def test_torchrun_launch_fails_at_once_with_how_to_launch():
     assert "hpdl launch -n N" in done.stderr and "mpiexec -n N" in done.stderr, done.stderr[-2000:]
 
 
+STORE_REFUSED = """
+import datetime, sys, time
+import torch.distributed as dist
+from mpi4py import MPI
+import hpdl.runtime.store
+rank = MPI.COMM_WORLD.Get_rank()
+if rank == 0:
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no store on purpose")
+    hpdl.runtime.store._server = refuse
+started = time.monotonic()
+try:
+    dist.init_process_group("hpdl", timeout=datetime.timedelta(seconds=60))
+    said = "initialized"
+except Exception as exc:
+    said = f"{type(exc).__name__}: {exc}"
+with open(f"{sys.argv[1]}/{rank}.txt", "w") as out:
+    out.write(f"{time.monotonic() - started:.1f} {said}")
+"""
+
+
+def test_a_store_that_rank_0_cannot_open_fails_every_rank_at_once(tmp_path):
+    """Under plain mpiexec, rank 0 opens the rendezvous store before it tells the others its port: when it cannot,
+    they hear why at once, instead of trying to connect for the whole timeout (60 s here, 30 minutes by default)."""
+    from hpdl.runtime.spawn import find_mpiexec
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    command = [find_mpiexec(), "-n", "2", sys.executable, "-c", STORE_REFUSED, str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (took_0, said_0), (took_1, said_1) = ((tmp_path / f"{r}.txt").read_text().split(" ", 1) for r in (0, 1))
+    assert said_0 == "RuntimeError: no store on purpose"
+    assert said_1 == (
+        "BackendUnavailableError: init_process_group: rank 0 could not open the rendezvous store "
+        "(RuntimeError: no store on purpose)"
+    )
+    assert float(took_1) < 30, took_1
+
+
 def test_import_torch_registers_the_backend_unless_autoload_is_off():
     """The package's "torch.backends" entry point: `import torch` alone makes "hpdl" a backend; with torch's
     autoload off (TORCH_DEVICE_BACKEND_AUTOLOAD=0) only `import hpdl` does."""

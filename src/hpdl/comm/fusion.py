@@ -112,11 +112,22 @@ class Bucket:
 
 
 def _modified(tensors: list[torch.Tensor]) -> None:
-    try:
-        torch.autograd.graph.increment_version(tensors)  # a list: torch >= 2.5 (17 us for 200 tensors)
-    except TypeError:
+    global _TAKES_A_LIST
+    if _TAKES_A_LIST is None:
+        try:
+            torch.autograd.graph.increment_version([])
+            _TAKES_A_LIST = True
+        except (TypeError, RuntimeError):  # torch 2.4: "increment_version expect a Tensor as input"
+            _TAKES_A_LIST = False
+    if _TAKES_A_LIST:
+        torch.autograd.graph.increment_version(tensors)  # 17 us for 200 tensors
+    else:
         for t in tensors:
             torch.autograd.graph.increment_version(t)
+
+
+_TAKES_A_LIST: Optional[bool] = None
+"""Whether this torch's increment_version takes a list (from torch 2.5; before, one tensor at a time)."""
 
 
 @dataclass

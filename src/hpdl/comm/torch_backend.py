@@ -230,6 +230,8 @@ class TorchCommunicator(Communicator):
             if out is not None
             else torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
         )
+        if op not in ("sum", "avg") and not t.is_cuda:
+            return self._reduce_scatter_by_allreduce(t, op, seq, result)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         handle = scatter(result, self._to_group_order(t), op=_OPS[op], group=self.group, async_op=True)
 
@@ -239,6 +241,15 @@ class TorchCommunicator(Communicator):
             return result
 
         return self._work("reduce_scatter", seq, handle, finish)
+
+    def _reduce_scatter_by_allreduce(self, t: torch.Tensor, op: str, seq: int, result: torch.Tensor) -> Work:
+        """max, min and prod on CPU: gloo's reduce_scatter summed whatever the op said before some torch 2.x (torch
+        2.4.1: MAX gave the sum, silently), and gloo does a reduce_scatter as allreduces anyway; this rank's
+        block of one allreduce of a copy is the same answer on every version."""
+        whole, block = t.clone(), t.shape[0] // self.size
+        mine = whole.narrow(0, self.rank * block, block)
+        handle = dist.all_reduce(whole, op=_OPS[op], group=self.group, async_op=True)
+        return self._work("reduce_scatter", seq, handle, lambda: result.copy_(mine))
 
     def _broadcast(self, t: torch.Tensor, root: int, seq: int) -> Work:
         handle = dist.broadcast(t, src=self._peer(root), group=self.group, async_op=True)

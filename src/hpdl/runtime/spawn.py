@@ -297,6 +297,11 @@ def _spawn_torch(
     for rank in range(nprocs):
         group = _process_group(children[0].pid if children else 0)  # one group for the job, as under MPI
         rank_env = rank_environment(env, rank, nprocs, "127.0.0.1", port)
+        # Every rank's env:// rendezvous (torch's own init_process_group) connects to rank 0's server as a client,
+        # rank 0's too (store.serve_handed_store): the same way on every rank, since torch 2.4 puts the keys
+        # of that way under a prefix that names the restart (a rank 0 alone with it waited for ever)
+        rank_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        rank_env.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
         fds: tuple[int, ...] = ()
         if rank == 0:
             rank_env[STORE_FD] = str(store.fileno())

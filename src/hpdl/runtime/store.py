@@ -57,8 +57,9 @@ def serve_handed_store() -> None:
 
     A script that calls torch's own `init_process_group` (env://) instead of hpdl's would bind MASTER_PORT
     again and fail with EADDRINUSE, the launcher's socket holding it. As under torchrun, whose agent hosts
-    the store, every rank's env:// rendezvous connects to this server instead (TORCHELASTIC_USE_AGENT_STORE),
-    and so does hpdl's own (`rendezvous_store`). The server lives as long as rank 0's process.
+    the store, every rank's env:// rendezvous connects to this server instead (TORCHELASTIC_USE_AGENT_STORE,
+    which the launcher sets on every rank), and so does hpdl's own (`rendezvous_store`). The server lives as
+    long as rank 0's process.
     """
     global _handed_store
     handed = os.environ.pop(STORE_FD, "")  # taken: a second call finds none
@@ -71,7 +72,6 @@ def serve_handed_store() -> None:
     env = os.environ
     span = datetime.timedelta(seconds=default_timeout())
     _handed_store = _server(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), span, int(handed))
-    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     # At exit, after hpdl's own exit handlers (registered later, run first): a store server destroyed during
     # interpreter shutdown, once torch's own objects are gone, can abort the process.
     atexit.register(_release_handed_store)
@@ -100,9 +100,28 @@ def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> A
 
 
 def _server(addr: str, port: int, size: int, span: Any, fd: int) -> Any:
-    """The store's server on the listening socket `fd` (it does not wait for the other ranks to connect)."""
+    """The store's server on the listening socket `fd` (it does not wait for the other ranks to connect).
+
+    torch's libuv server takes a listening socket from torch 2.8 (pytorch#150215); before, it raises
+    NotImplementedError (torch 2.4: every torch job of hpdl failed at its first step), and the older server,
+    which takes one, serves instead."""
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        addr, port, size, is_master=True, timeout=span, wait_for_workers=False, master_listen_fd=fd, use_libuv=True
-    )
+    def serve(libuv: bool) -> Any:
+        return dist.TCPStore(
+            addr, port, size, is_master=True, timeout=span, wait_for_workers=False, master_listen_fd=fd,
+            use_libuv=libuv,
+        )  # fmt: skip
+
+    if not _libuv_takes_a_socket():
+        return serve(False)
+    try:
+        return serve(True)
+    except NotImplementedError:  # a build between releases without it: the socket is still unused
+        return serve(False)
+
+
+def _libuv_takes_a_socket() -> bool:
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
