@@ -160,6 +160,19 @@ def test_torchrun_launch_fails_at_once_with_how_to_launch():
     assert "hpdl launch -n N" in done.stderr and "mpiexec -n N" in done.stderr, done.stderr[-2000:]
 
 
+def test_a_torch_older_than_the_backend_is_named_not_failed(monkeypatch):
+    """`unavailable()` says why an older torch cannot run the backend: create_process_group raises it, and
+    `hpdl bench gpu` reports its rows n/a instead of failing the check (seen on torch 2.4.1)."""
+    from hpdl.interop.torch_backend.factory import unavailable
+
+    assert unavailable() == ""  # the pinned torch
+    for old in ("2.4.1+cu121", "2.12.0"):
+        monkeypatch.setattr(torch, "__version__", old)
+        assert unavailable() == f"the hpdl torch.distributed backend needs torch >= 2.13 (this is {old})"
+    monkeypatch.setattr(torch, "__version__", "2.14.0a0+git1234")
+    assert unavailable() == ""
+
+
 STORE_REFUSED = """
 import datetime, sys, time
 import torch.distributed as dist

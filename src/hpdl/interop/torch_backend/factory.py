@@ -34,15 +34,19 @@ MIN_TORCH = (2, 13)
 """The oldest torch the backend was tested on (the pybind method names of Python process groups changed often)."""
 
 
-def create_process_group(backend_options: Any, pg_options: Any) -> Any:
+def unavailable() -> str:
+    """Why this torch cannot run the backend ("" when it can)."""
     import torch
 
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if version < MIN_TORCH:
-        raise LaunchError(
-            f"the hpdl torch.distributed backend needs torch >= {'.'.join(map(str, MIN_TORCH))} (this is "
-            f"{torch.__version__}); upgrade torch, or use hpdl's own API (hpdl.init(), DataParallel) on this one"
-        )
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= MIN_TORCH:
+        return ""
+    needed = ".".join(map(str, MIN_TORCH))
+    return f"the hpdl torch.distributed backend needs torch >= {needed} (this is {torch.__version__})"
+
+
+def create_process_group(backend_options: Any, pg_options: Any) -> Any:
+    if why := unavailable():
+        raise LaunchError(f"{why}; upgrade torch, or use hpdl's own API (hpdl.init(), DataParallel) on this one")
     launch = detect()
     if launch.launcher == "torchrun" or launch.backend == "torch":
         raise LaunchError(
