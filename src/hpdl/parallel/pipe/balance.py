@@ -122,7 +122,7 @@ def build(layer: LayerSpec, index: int, seed: Optional[int]) -> nn.Module:
 
 
 def measure(
-    layers: Sequence[LayerSpec], sample: Any, *, repeats: int = 3, sweeps: int = 2, seed: Optional[int] = None
+    layers: Sequence[LayerSpec], sample: Any, *, repeats: int = 3, sweeps: int = 3, seed: Optional[int] = None
 ) -> list[LayerCost]:
     """Time forward + backward of each layer on `sample` (one micro-batch of the first stage's input).
 
@@ -131,7 +131,8 @@ def measure(
     layer keeps its fastest of `repeats` runs after one warm-up, over
     `sweeps` passes through the whole model: other work that slows the
     machine for a while then has to hit the same layer in every pass to skew
-    the split (with one pass, a busy moment inflated one layer's every run).
+    the split (with one pass, a busy moment inflated one layer's every run; with two, a CI run under load
+    once gave four equal layers the split [1, 7] instead of [2, 6]).
     """
     seconds = [float("inf")] * len(layers)
     memory = [0] * len(layers)
