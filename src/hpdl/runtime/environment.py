@@ -13,12 +13,20 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["STORE_FD", "Launch", "detect", "is_loopback", "loopback_interface"]
+__all__ = ["STORE_FD", "Launch", "detect", "is_loopback", "loopback_interface", "torch_release"]
 
 STORE_FD = "HPDL_STORE_FD"
 """Set for rank 0 of a torch job whose launcher (or rank 0 itself) bound the rendezvous store's socket: its fd."""
 
 BACKENDS = ("mpi", "torch", "self")
+
+
+def torch_release() -> tuple[int, int]:
+    """The installed torch's (major, minor): "2.13.0+cpu" and "2.14.0a0+git..." alike (imports torch)."""
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 @dataclass(frozen=True)

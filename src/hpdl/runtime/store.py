@@ -14,7 +14,7 @@ import socket
 from typing import Any
 
 from hpdl.errors import BackendUnavailableError
-from hpdl.runtime.environment import STORE_FD
+from hpdl.runtime.environment import STORE_FD, torch_release
 
 __all__ = ["listen_for_store", "rendezvous_store", "serve_handed_store", "store_host"]
 
@@ -113,15 +113,9 @@ def _server(addr: str, port: int, size: int, span: Any, fd: int) -> Any:
             use_libuv=libuv,
         )  # fmt: skip
 
-    if not _libuv_takes_a_socket():
+    if torch_release() < (2, 8):
         return serve(False)
     try:
         return serve(True)
     except NotImplementedError:  # a build between releases without it: the socket is still unused
         return serve(False)
-
-
-def _libuv_takes_a_socket() -> bool:
-    import torch
-
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)

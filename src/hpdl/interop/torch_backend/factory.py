@@ -13,7 +13,7 @@ import time
 import zlib
 from typing import Any
 
-from hpdl.runtime.environment import detect
+from hpdl.runtime.environment import detect, torch_release
 
 __all__ = ["create_process_group", "LaunchError"]
 
@@ -38,7 +38,7 @@ def unavailable() -> str:
     """Why this torch cannot run the backend ("" when it can)."""
     import torch
 
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= MIN_TORCH:
+    if torch_release() >= MIN_TORCH:
         return ""
     needed = ".".join(map(str, MIN_TORCH))
     return f"the hpdl torch.distributed backend needs torch >= {needed} (this is {torch.__version__})"
