@@ -112,13 +112,6 @@ class Bucket:
 
 
 def _modified(tensors: list[torch.Tensor]) -> None:
-    global _TAKES_A_LIST
-    if _TAKES_A_LIST is None:
-        try:
-            torch.autograd.graph.increment_version([])
-            _TAKES_A_LIST = True
-        except (TypeError, RuntimeError):  # torch 2.4: "increment_version expect a Tensor as input"
-            _TAKES_A_LIST = False
     if _TAKES_A_LIST:
         torch.autograd.graph.increment_version(tensors)  # 17 us for 200 tensors
     else:
@@ -126,8 +119,16 @@ def _modified(tensors: list[torch.Tensor]) -> None:
             torch.autograd.graph.increment_version(t)
 
 
-_TAKES_A_LIST: Optional[bool] = None
-"""Whether this torch's increment_version takes a list (from torch 2.5; before, one tensor at a time)."""
+def _takes_a_list() -> bool:
+    """Whether this torch's increment_version takes a list (from torch 2.5; before, one tensor at a time)."""
+    try:
+        torch.autograd.graph.increment_version([])
+    except (TypeError, RuntimeError):  # torch 2.4: "increment_version expect a Tensor as input"
+        return False
+    return True
+
+
+_TAKES_A_LIST = _takes_a_list()
 
 
 @dataclass
