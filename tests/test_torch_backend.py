@@ -177,6 +177,7 @@ STORE_REFUSED = """
 import datetime, sys, time
 import torch.distributed as dist
 from mpi4py import MPI
+import hpdl
 import hpdl.runtime.store
 rank = MPI.COMM_WORLD.Get_rank()
 if rank == 0:
@@ -185,7 +186,10 @@ if rank == 0:
     hpdl.runtime.store._server = refuse
 started = time.monotonic()
 try:
-    dist.init_process_group("hpdl", timeout=datetime.timedelta(seconds=60))
+    if sys.argv[2] == "init_process_group":
+        dist.init_process_group("hpdl", timeout=datetime.timedelta(seconds=60))
+    else:
+        hpdl.init("torch", timeout=60)
     said = "initialized"
 except Exception as exc:
     said = f"{type(exc).__name__}: {exc}"
@@ -194,19 +198,21 @@ with open(f"{sys.argv[1]}/{rank}.txt", "w") as out:
 """
 
 
-def test_a_store_that_rank_0_cannot_open_fails_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("caller", ["init_process_group", "hpdl.init"])
+def test_a_store_that_rank_0_cannot_open_fails_every_rank_at_once(tmp_path, caller):
     """Under plain mpiexec, rank 0 opens the rendezvous store before it tells the others its port: when it cannot,
-    they hear why at once, instead of trying to connect for the whole timeout (60 s here, 30 minutes by default)."""
+    they hear why at once, instead of trying to connect for the whole timeout (60 s here, 30 minutes by default).
+    The same for the backend's `init_process_group("hpdl")` and for `hpdl.init("torch")`."""
     from hpdl.runtime.spawn import find_mpiexec
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    command = [find_mpiexec(), "-n", "2", sys.executable, "-c", STORE_REFUSED, str(tmp_path)]
+    command = [find_mpiexec(), "-n", "2", sys.executable, "-c", STORE_REFUSED, str(tmp_path), caller]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (took_0, said_0), (took_1, said_1) = ((tmp_path / f"{r}.txt").read_text().split(" ", 1) for r in (0, 1))
     assert said_0 == "RuntimeError: no store on purpose"
     assert said_1 == (
-        "BackendUnavailableError: init_process_group: rank 0 could not open the rendezvous store "
+        f"BackendUnavailableError: {caller}: rank 0 could not open the rendezvous store "
         "(RuntimeError: no store on purpose)"
     )
     assert float(took_1) < 30, took_1

@@ -11,12 +11,12 @@ from __future__ import annotations
 import atexit
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from hpdl.errors import BackendUnavailableError
 from hpdl.runtime.environment import STORE_FD, torch_release
 
-__all__ = ["listen_for_store", "rendezvous_store", "serve_handed_store", "store_host"]
+__all__ = ["listen_for_store", "open_store_over_mpi", "rendezvous_store", "serve_handed_store", "store_host"]
 
 
 def store_host(hosts: list[str]) -> str:
@@ -97,6 +97,30 @@ def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> A
     # else torchrun's MASTER_PORT: listen on it now; the store's server owns the socket from here on
     fd = int(handed) if handed else _store_socket(addr, port, size).detach()
     return _server(addr, port, size, span, fd)
+
+
+def open_store_over_mpi(
+    broadcast: Callable[[Any], Any], rank: int, size: int, host: str, span: Any, caller: str
+) -> Any:
+    """The rendezvous store of a job launched by MPI: rank 0 opens its server, then tells its port (through
+    `broadcast`, an MPI broadcast from rank 0) or why there is none, and the others connect.
+
+    The server first: told a port too early, the other ranks' clients would keep trying to connect, for the
+    whole store timeout (30 minutes in torch's env://), to a server that never opened. They raise at once.
+    """
+    if rank == 0:
+        try:
+            port = listen_for_store(host, size)
+            store = rendezvous_store(0, size, host, port, span)
+        except Exception as exc:
+            broadcast(f"{type(exc).__name__}: {exc}")
+            raise
+        broadcast(port)
+        return store
+    told = broadcast(None)
+    if isinstance(told, str):
+        raise BackendUnavailableError(f"{caller}: rank 0 could not open the rendezvous store ({told})")
+    return rendezvous_store(rank, size, host, told, span)
 
 
 def _server(addr: str, port: int, size: int, span: Any, fd: int) -> Any:

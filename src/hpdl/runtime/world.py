@@ -22,7 +22,7 @@ from typing import Any, Optional
 from hpdl.comm.base import Communicator, default_debug, default_timeout
 from hpdl.errors import BackendUnavailableError, CommError, CommTimeoutError, NotInitializedError
 from hpdl.runtime.environment import BACKENDS, Launch, detect, is_loopback, loopback_interface
-from hpdl.runtime.store import listen_for_store, rendezvous_store, store_host
+from hpdl.runtime.store import listen_for_store, open_store_over_mpi, rendezvous_store, store_host
 
 __all__ = ["init", "finalize", "world", "is_initialized"]
 
@@ -126,19 +126,19 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
 
     if not dist.is_available():
         raise BackendUnavailableError("this torch build has no torch.distributed; install a standard torch wheel")
-    rank, size, addr, port = _torch_rendezvous(launch)
     span = datetime.timedelta(seconds=timeout)
-    if not dist.is_initialized():
+    if dist.is_initialized():  # by the script itself: progress reports go through its group's own store
+        store = dist.distributed_c10d._get_default_store()
+    else:
         engine = os.environ.get("HPDL_TORCH_ENGINE") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-        if is_loopback(addr):  # every rank is on this machine: gloo's own listeners on loopback too
+        rank, size, store = _torch_rendezvous(launch, span)
+        if is_loopback(store.host):  # every rank is on this machine: gloo's own listeners on loopback too
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        # The process group is the store's only owner, and tears it down in destroy_process_group:
-        # a store server of ours, destroyed during interpreter shutdown, can abort the process at exit.
-        store = rendezvous_store(rank, size, addr, port, span)
         dist.init_process_group(engine, store=store, rank=rank, world_size=size, timeout=span)
-        del store
-    # A client of that store, for progress reports when a wait times out.
-    store = dist.TCPStore(addr, port, size, is_master=False, timeout=span)
+        # The process group is the store's only owner, and tears it down in destroy_process_group: a store
+        # server of ours, destroyed during interpreter shutdown, can abort the process at exit. A client of
+        # it, for progress reports when a wait times out.
+        store = dist.TCPStore(store.host, store.port, size, is_master=False, timeout=span)
     comm = TorchCommunicator(None, store, local_rank=0, local_size=1, timeout=timeout, debug=debug)
     hosts = comm.allgather_object(socket.gethostname())
     same_node = [r for r, host in enumerate(hosts) if host == hosts[comm.rank]]
@@ -146,19 +146,21 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     return comm
 
 
-def _torch_rendezvous(launch: Launch) -> tuple[int, int, str, int]:
-    """Rank, size and the store's address: from torchrun-style variables, or agreed over MPI under mpirun/srun."""
+def _torch_rendezvous(launch: Launch, span: Any) -> tuple[int, int, Any]:
+    """Rank, size and the rendezvous store (rank 0 serves it): from torchrun-style variables, or agreed over
+    MPI under mpirun/srun."""
     env = os.environ
     if all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        return rank, size, rendezvous_store(rank, size, env["MASTER_ADDR"], int(env["MASTER_PORT"]), span)
     if launch.launcher in ("none", "torchrun") and launch.size in (None, 1):
-        return 0, 1, "127.0.0.1", listen_for_store("127.0.0.1", 1)
+        return 0, 1, rendezvous_store(0, 1, "127.0.0.1", listen_for_store("127.0.0.1", 1), span)
     from hpdl.comm.mpi_backend import MPI
 
     mpi = MPI.COMM_WORLD
+    rank, size = mpi.Get_rank(), mpi.Get_size()
     host = store_host(mpi.allgather(socket.gethostname()))
-    port = mpi.bcast(listen_for_store(host, mpi.Get_size()) if mpi.Get_rank() == 0 else None, root=0)
-    return mpi.Get_rank(), mpi.Get_size(), host, port
+    return rank, size, open_store_over_mpi(lambda told: mpi.bcast(told, root=0), rank, size, host, span, "hpdl.init")
 
 
 def _close_torch(comm: Communicator) -> None:

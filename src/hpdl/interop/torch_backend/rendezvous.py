@@ -12,8 +12,6 @@ import socket
 from typing import Any, Iterator, Optional
 from urllib.parse import parse_qs, urlparse
 
-from hpdl.errors import BackendUnavailableError
-
 __all__ = ["mpi_rendezvous"]
 
 DEFAULT_STORE_TIMEOUT = datetime.timedelta(minutes=30)
@@ -21,7 +19,7 @@ DEFAULT_STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
 def mpi_rendezvous(url: str, timeout: Optional[datetime.timedelta]) -> Iterator[tuple[Any, int, int]]:
     import hpdl
-    from hpdl.runtime.store import listen_for_store, rendezvous_store, store_host
+    from hpdl.runtime.store import open_store_over_mpi, store_host
 
     comm = hpdl.init("mpi")
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
@@ -34,18 +32,8 @@ def mpi_rendezvous(url: str, timeout: Optional[datetime.timedelta]) -> Iterator[
     span = timeout or DEFAULT_STORE_TIMEOUT
     # rank 0's server listens on loopback for a job on one machine, else on the address its host name has
     host = store_host(comm.allgather_object(socket.gethostname()))
-    if comm.rank == 0:  # the server first, then its port or why there is none: no rank waits for a store that
-        try:  # never opened (a client keeps trying to connect for the whole timeout, 30 minutes by default)
-            port = listen_for_store(host, comm.size)
-            store = rendezvous_store(0, comm.size, host, port, span)
-        except Exception as exc:
-            comm.broadcast_object(f"{type(exc).__name__}: {exc}", root=0)
-            raise
-        comm.broadcast_object(port, root=0)
-    else:
-        told = comm.broadcast_object(None, root=0)
-        if isinstance(told, str):
-            raise BackendUnavailableError(f"init_process_group: rank 0 could not open the rendezvous store ({told})")
-        store = rendezvous_store(comm.rank, comm.size, host, told, span)
+    store = open_store_over_mpi(
+        lambda value: comm.broadcast_object(value, root=0), comm.rank, comm.size, host, span, "init_process_group"
+    )
     yield store, comm.rank, comm.size
     raise RuntimeError("the hpdl MPI rendezvous cannot re-rendezvous: restart the job")
