@@ -494,10 +494,14 @@ def interleave_qkv(model: Any, tp: int) -> None:
 def torch_tp_model(config: Any, n_layer: int) -> Any:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from hpdl.models.gpt import GPT
+
+    try:
+        from torch.distributed.tensor import Replicate
+    except ImportError:  # torch before 2.5, where DTensor's placements were private
+        from torch.distributed._tensor import Replicate
 
     torch.manual_seed(0)
     model = GPT(config)

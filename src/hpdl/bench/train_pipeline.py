@@ -38,7 +38,7 @@ import numpy as np
 from hpdl.bench import report
 from hpdl.bench.comm import _positive
 
-__all__ = ["launch", "main", "CONTENDERS"]
+__all__ = ["launch", "main", "CONTENDERS", "contenders_here"]
 
 CONTENDERS = (
     "hpdl-mpi-gpipe",
@@ -49,9 +49,23 @@ CONTENDERS = (
     "torch-1f1b",
     "single",
 )
+NOT_HERE = (
+    "torch-1f1b: not run: this torch's Schedule1F1B deadlocks over gloo (it waits on one of the works that "
+    "gloo's batch_isend_irecv returns; pytorch#132644, fixed by pytorch#152938)"
+)
 TARGET_VS_TORCH = 1.2
 BUBBLE_SLACK = 0.10
 LR = 0.01
+
+
+def contenders_here() -> tuple[str, ...]:
+    """CONTENDERS less the peer this torch cannot run: its 1F1B over gloo hangs (seen on torch 2.4.1) until
+    the schedules wait on every work of a batch of point-to-point operations (`_wait_batch_p2p`)."""
+    from torch.distributed.pipelining import schedules
+
+    if hasattr(schedules, "_wait_batch_p2p"):
+        return CONTENDERS
+    return tuple(name for name in CONTENDERS if name != "torch-1f1b")
 
 
 @dataclass(frozen=True)
@@ -229,7 +243,7 @@ def make_contenders(w: Workload, options: Options, mpi: Any, gloo: Any) -> list[
         return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
     out = []
-    for name in CONTENDERS:
+    for name in contenders_here():
         if name.startswith("hpdl"):
             comm = mpi if "-mpi-" in name else gloo
             pipe = Pipeline(nn.Sequential(*fresh()), comm, chunks=options.chunks, schedule=name.split("-")[-1],
@@ -245,15 +259,15 @@ def make_contenders(w: Workload, options: Options, mpi: Any, gloo: Any) -> list[
             sync = mpi.barrier if comm is mpi else dist.barrier
             out.append(Contender(name, hpdl_step, _params_of(pipe), sync, pipe))
         elif name.startswith("torch"):
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
             module = stage_layers()
-            stage = PipelineStage(module, rank, size, torch.device("cpu"))
+            stage = _torch_stage(module, rank, size, nn.Sequential(*fresh()[:start]), w, options.chunks)
             kind = ScheduleGPipe if name.endswith("gpipe") else Schedule1F1B
-            schedule = kind(stage, options.chunks, loss_fn=w.loss)
+            schedule, scale = _torch_schedule(kind, stage, options.chunks, w.loss)
             opt = sgd(module.parameters())
 
-            def torch_step(x: Any, y: Any, schedule: Any = schedule, opt: Any = opt) -> float:
+            def torch_step(x: Any, y: Any, schedule: Any = schedule, opt: Any = opt, scale: float = scale) -> float:
                 losses: list = []
                 if first:
                     schedule.step(x)
@@ -263,7 +277,7 @@ def make_contenders(w: Workload, options: Options, mpi: Any, gloo: Any) -> list[
                     schedule.step()
                 opt.step()
                 opt.zero_grad()
-                return float(sum(float(v) for v in losses) / len(losses)) if losses else math.nan
+                return float(sum(float(v) for v in losses) * scale / len(losses)) if losses else math.nan
 
             out.append(Contender(name, torch_step, _params_of(module), dist.barrier))
         else:
@@ -283,6 +297,39 @@ def make_contenders(w: Workload, options: Options, mpi: Any, gloo: Any) -> list[
             own = nn.Sequential(*layers[start : start + counts[rank]])
             out.append(Contender(name, single_step, _params_of(own), dist.barrier))
     return out
+
+
+def _torch_stage(module: Any, rank: int, size: int, before: Any, w: Workload, chunks: int) -> Any:
+    """torch.distributed.pipelining's stage of `module`; `before` is the layers of the stages ahead of it.
+
+    The torch this was written for infers the shapes between stages at run time; older ones (2.4) need an
+    example of the micro-batch the stage receives: the first micro-batch of one batch through `before`.
+    """
+    import inspect
+
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    cpu = torch.device("cpu")
+    if inspect.signature(PipelineStage).parameters["input_args"].default is not inspect.Parameter.empty:
+        return PipelineStage(module, rank, size, cpu)
+    x, _ = w.data(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        example = before(torch.tensor_split(x, chunks)[0])
+    return PipelineStage(module, rank, size, cpu, input_args=example)
+
+
+def _torch_schedule(kind: Any, stage: Any, chunks: int, loss: Callable) -> tuple[Any, float]:
+    """A torch.distributed.pipelining schedule of `kind` over `stage`, and the factor its losses are reported by.
+
+    The schedules average the micro-batches' gradients (`scale_grads`); older torch (2.4) sums them, and there
+    each micro-batch's loss is divided by their number, so that every contender trains the same trajectory.
+    """
+    import inspect
+
+    if "scale_grads" in inspect.signature(kind).parameters:
+        return kind(stage, chunks, loss_fn=loss), 1.0
+    return kind(stage, chunks, loss_fn=lambda out, y: loss(out, y) / chunks), float(chunks)
 
 
 def _params_of(module: Any) -> Callable[[], list]:
@@ -379,7 +426,7 @@ def measure_model(name: str, options: Options, mpi: Any, gloo: Any) -> list[dict
     peak_table = np.zeros((mpi.size, len(contenders)))
     world.Allgather(peaks, peak_table)
     # every contender trained the same model on the same data: compare each stage's parameters
-    reference = [p.detach() for p in contenders[CONTENDERS.index("hpdl-mpi-1f1b")].params()]
+    reference = [p.detach() for p in contenders[contenders_here().index("hpdl-mpi-1f1b")].params()]
     diffs = np.array([max(float((a.detach() - b).abs().max()) for a, b in zip(c.params(), reference))
                       for c in contenders])  # fmt: skip
     world.Allreduce(MPI.IN_PLACE, diffs, op=MPI.MAX)
@@ -447,8 +494,8 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str], 
         )
         for name, r in mine.items():
             s = r["samples_per_s"]["median"]
-            peer = f"torch-{name.split('-')[-1]}" if name.startswith("hpdl") else None
-            r["vs_torch"] = s / mine[peer]["samples_per_s"]["median"] if peer else None
+            peer = mine.get(f"torch-{name.split('-')[-1]}") if name.startswith("hpdl") else None
+            r["vs_torch"] = s / peer["samples_per_s"]["median"] if peer else None
             r["of_ideal"] = s / r["ideal_samples_per_s"]
             peaks = " / ".join(f"{v / 2**20:.1f}" for v in r["peak_activation_bytes_per_stage"])
             rows.append(
@@ -458,11 +505,14 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str], 
             )  # fmt: skip
         for schedule in ("gpipe", "1f1b"):
             r = mine[f"hpdl-mpi-{schedule}"]
-            verdicts.append(
-                f"{report.verdict(r['vs_torch'] >= TARGET_VS_TORCH)} {model}: hpdl-mpi-{schedule} "
-                f"{r['vs_torch']:.2f}x torch-{schedule}'s samples/s (target >= {TARGET_VS_TORCH}x), "
-                f"{r['of_ideal']:.0%} of the bubble-limited ideal"
-            )
+            if r["vs_torch"] is None:
+                verdicts.append(f"n/a {model}: hpdl-mpi-{schedule}: no torch-{schedule} time to compare")
+            else:
+                verdicts.append(
+                    f"{report.verdict(r['vs_torch'] >= TARGET_VS_TORCH)} {model}: hpdl-mpi-{schedule} "
+                    f"{r['vs_torch']:.2f}x torch-{schedule}'s samples/s (target >= {TARGET_VS_TORCH}x), "
+                    f"{r['of_ideal']:.0%} of the bubble-limited ideal"
+                )
             bound = r["bubble_formula"] * (1 + BUBBLE_SLACK)
             verdicts.append(
                 f"{report.verdict(r['bubble_measured'] <= bound)} {model}: hpdl-mpi-{schedule} bubble "
@@ -491,6 +541,8 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
         "max |param diff| = each stage's parameters after the same steps vs hpdl-mpi-1f1b (same trajectory).",
         "single = rank 0 alone on the whole model and batch (no micro-batches); its loss is its own.",
     ]
+    if "torch-1f1b" not in contenders_here():
+        notes.append(NOT_HERE)
     blocks = [table, "Limits measured in this run:", "\n".join(f"- {line}" for line in limits)]
     text = report.markdown_document("hpdl bench train --strategy pipeline", header, blocks, notes, verdicts)
     report.write_report(options.out, "pipeline", text, records, config, elapsed)
