@@ -177,6 +177,15 @@ def test_torch_own_init_runs_and_listens_on_loopback_only(backend):
     assert_listens_on_loopback_only(output, must_listen=True)
 
 
+def test_hpdl_init_on_the_scripts_own_group_names_a_rank_that_never_comes():
+    """`hpdl.init("torch")` after the script's own `init_process_group`: hpdl's communicator on that group, and
+    the progress reports that name a missing rank go through the group's own store."""
+    code, output, elapsed = launch("-n", "2", "--backend", "torch", TORCH_ENV_JOB, "hpdl")
+    assert code != 0 and output.count(": hpdl sum 6") == 2, output
+    assert re.search(r"CommTimeoutError: allreduce #\d+ .*within 2.0 s.*Did not arrive: rank 0", output), output
+    assert elapsed < 25, output  # ended by rank 1's error, not by rank 0's sleep
+
+
 def test_a_dead_jobs_shared_memory_is_removed_by_the_launcher_that_reuses_its_pid(tmp_path):
     """MPICH names a gforker job's segment after the launcher's pid; `remove_forker_segments` must remove that name.
 
