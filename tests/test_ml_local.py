@@ -121,7 +121,7 @@ def test_linear_models_match_sklearn(weighted):
         (LinearRegression(solver="tsqr"), sklearn.linear_model.LinearRegression(), y),
         (LinearRegression(fit_intercept=False), sklearn.linear_model.LinearRegression(fit_intercept=False), Y),
         (Ridge(alpha=0.7), sklearn.linear_model.Ridge(alpha=0.7), y),
-        (Ridge(alpha=np.array([0.1, 3.0]), solver="tsqr"), sklearn.linear_model.Ridge(alpha=[0.1, 3.0]), Y),
+        (Ridge(alpha=np.array([0.1, 3.0]), solver="tsqr"), sklearn.linear_model.Ridge(alpha=np.array([0.1, 3.0])), Y),
     ]
     for ours, theirs, target in cases:
         ours.fit(X, target, sample_weight=w)

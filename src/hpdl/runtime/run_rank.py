@@ -41,7 +41,9 @@ def main() -> None:
         if as_module:
             runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
         else:
-            if not sys.flags.safe_path:  # as `python script.py`: the script's folder first, not the working one
+            # as `python script.py`: the script's folder first, not the working one (unless -P / PYTHONSAFEPATH,
+            # which Python 3.11 added: sys.flags has no safe_path before)
+            if not getattr(sys.flags, "safe_path", False):
                 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
             runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as stop:
