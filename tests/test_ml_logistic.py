@@ -17,7 +17,7 @@ import sklearn.linear_model
 from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine
 from sklearn.preprocessing import StandardScaler
 
-from hpdl.ml import LogisticRegression
+from hpdl.ml import LogisticRegression, logistic
 from ml_shards import bounds, first_ranks
 
 TIGHT = {"tol": 1e-10, "max_iter": 5000}
@@ -74,6 +74,21 @@ def test_logistic_sample_weight_and_string_labels():
     theirs = sklearn.linear_model.LogisticRegression(**TIGHT).fit(X, binary)
     _close(ours, theirs, X)
     np.testing.assert_allclose(ours.decision_function(X), theirs.decision_function(X), atol=1e-4)
+
+
+def test_balanced_class_weight_counts_rows_as_the_installed_scikit_learn_does(monkeypatch):
+    """class_weight="balanced" is n_samples / (n_classes * count per class); scikit-learn counts a class's rows by
+    their sample weights from 1.7 and by rows before (scikit-learn#30057). hpdl does what the installed one does
+    (`logistic.BALANCED_BY_WEIGHT`): both ways here, each against scikit-learn given the same weights by class."""
+    X, y = _data("wine")
+    w = np.random.default_rng(2).uniform(0.5, 2.0, len(y))
+    for by_weight in (True, False):
+        monkeypatch.setattr(logistic, "BALANCED_BY_WEIGHT", by_weight)
+        ours = LogisticRegression(C=0.3, class_weight="balanced", **TIGHT).fit(X, y, sample_weight=w)
+        counts = np.bincount(y, weights=w if by_weight else None)
+        by_class = dict(enumerate(counts.sum() / (len(counts) * counts)))
+        theirs = sklearn.linear_model.LogisticRegression(C=0.3, class_weight=by_class, **TIGHT)
+        _close(ours, theirs.fit(X, y, sample_weight=w), X)
 
 
 def test_logistic_bad_input_raises_sklearn_errors():

@@ -16,6 +16,7 @@ ranks, whatever the MPI library's rounding).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from numbers import Integral, Real
 from typing import Any
@@ -26,6 +27,7 @@ from scipy.special import expit, log_expit, logsumexp
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.class_weight import compute_class_weight
 from sklearn.utils.validation import check_array, check_consistent_length, column_or_1d
 
 from hpdl.ml.base import Shards, is_dask_array
@@ -35,13 +37,17 @@ from hpdl.ml.targets import global_classes
 __all__ = ["LogisticRegression"]
 
 ROWS_PER_CHUNK = 8192
+BALANCED_BY_WEIGHT = "sample_weight" in inspect.signature(compute_class_weight).parameters
+"""Whether class_weight="balanced" counts the rows of a class by their sample weights, as scikit-learn does from
+1.7 (scikit-learn#30057); before, it counted rows. hpdl follows the installed scikit-learn."""
 
 
 # --------------------------------------------------------------------------- block functions
-def _class_totals(block: tuple, meta: Any, n_classes: int) -> tuple:
-    """Weighted row count per class (for class_weight="balanced") and the total weight."""
+def _class_totals(block: tuple, meta: Any, n_classes: int, weighted: bool) -> tuple:
+    """Row count per class (for class_weight="balanced"), each row counted by its sample weight if `weighted`."""
     _, codes, w = block
-    counts = np.bincount(codes, weights=None if w is None else np.asarray(w, np.float64), minlength=n_classes)
+    weights = np.asarray(w, np.float64) if weighted and w is not None else None
+    counts = np.bincount(codes, weights=weights, minlength=n_classes)
     return (counts.astype(np.float64),)
 
 
@@ -240,7 +246,7 @@ class LogisticRegression(DistributedMixin, ClassifierMixin, BaseEstimator):
         if cw is None:
             return np.ones(n_classes)
         if cw == "balanced":
-            counts = shards.reduce(_class_totals, n_classes)[0]
+            counts = shards.reduce(_class_totals, n_classes, BALANCED_BY_WEIGHT)[0]
             with np.errstate(divide="ignore"):
                 return np.where(counts > 0, counts.sum() / (n_classes * counts), 0.0)
         out = np.ones(n_classes)
