@@ -170,3 +170,20 @@ def test_box_chunks_of_other_layouts(tmp_path):
     reader = hpdl.checkpoint.ShardReader(folder)
     assert torch.equal(reader.read_flat("model/w", 5, 13), full.reshape(-1)[5:13])
     assert torch.equal(reader.read_box("model/w", [(1, 3), (2, 5)]), full[1:3, 2:5])
+
+
+def test_a_zero_model_is_recognised_by_lookups_python_3_12_isinstance_would_miss():
+    """From Python 3.12, isinstance on a runtime-checkable Protocol looks members up statically
+    (inspect.getattr_static), which misses the submodule nn.Module keeps in `_modules`: every ZeRO checkpoint
+    failed there ("a ZeroOptimizer is saved and loaded with the model it was built with"). The format asks with
+    plain lookups instead; here on any Python."""
+    import inspect
+
+    from hpdl.checkpoint.sharded import _sharded_parts
+    from hpdl.comm.self_backend import SelfCommunicator
+
+    model, opt = zero(nn.Linear(4, 2), SelfCommunicator(timeout=30.0, debug=False), stage=3,
+                      optimizer=torch.optim.SGD, lr=0.1)  # fmt: skip
+    with pytest.raises(AttributeError):
+        inspect.getattr_static(model, "module")  # what 3.12's isinstance sees
+    assert _sharded_parts(model, opt) == (model, opt)

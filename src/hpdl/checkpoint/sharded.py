@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import secrets
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,6 @@ __all__ = ["save", "load", "export", "ShardWriter", "new_writer", "commit", "Sha
 log = logging.getLogger(__name__)
 
 
-@runtime_checkable
 class ShardedState(Protocol):
     """A model whose parameters are split over ranks in flat ranges (ZeRO's `ZeroModel`): it writes and reads its
     own chunks; everything else of `module` (buffers, frozen parameters) is replicated and saved by rank 0."""
@@ -60,7 +59,6 @@ class ShardedState(Protocol):
         ...
 
 
-@runtime_checkable
 class ShardedOptimizer(Protocol):
     """The optimizer of a `ShardedState` (ZeRO's `ZeroOptimizer`): it holds the state of this rank's pieces."""
 
@@ -79,14 +77,21 @@ class ShardedOptimizer(Protocol):
 
 
 def _sharded_parts(model: nn.Module, optimizer: Any) -> tuple[Optional[ShardedState], Optional[ShardedOptimizer]]:
-    state = model if isinstance(model, ShardedState) else None
-    opt = optimizer if isinstance(optimizer, ShardedOptimizer) else None
+    state = cast(ShardedState, model) if _provides(model, ShardedState) else None
+    opt = cast(ShardedOptimizer, optimizer) if _provides(optimizer, ShardedOptimizer) else None
     if opt is not None and state is None:
         raise TypeError(
             f"a {type(optimizer).__name__} is saved and loaded with the model it was built with "
             "(for a ZeroOptimizer: the ZeroModel that zero() returned with it)"
         )
     return state, opt
+
+
+def _provides(obj: Any, protocol: type) -> bool:
+    """Whether `obj` has every member of `protocol`, looked up as code does (getattr). isinstance on a runtime-checkable
+    Protocol looks them up statically from Python 3.12 and misses a submodule that nn.Module keeps in `_modules`
+    (ZeroModel's `module`): every ZeRO checkpoint failed there."""
+    return all(hasattr(obj, name) for name in vars(protocol) if not name.startswith("_"))
 
 
 def _comm_of(model: nn.Module, comm: Optional[Communicator]) -> Optional[Communicator]:
