@@ -79,20 +79,12 @@ def group(item: pytest.Item) -> str:
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: `make test` runs two workers
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with the files of one SHARED_POOLS group sent to one worker as one unit.
-
-    (xdist's own `--dist loadgroup` renames node ids, which pytest 9 no longer lets it do.)
-    """
+    """`--dist loadfile`, with the files of one SHARED_POOLS group sent to one worker as one unit (file_groups.py)."""
     if config.getvalue("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from file_groups import FileGroups
 
-    class SharedPoolFiles(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return SHARED_POOLS.get(os.path.basename(path), path)
-
-    return SharedPoolFiles(config, log)
+    return FileGroups(config, log, SHARED_POOLS)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
