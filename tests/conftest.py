@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
@@ -92,21 +93,47 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: the rest keep their order
 
 
+_POOLS: OrderedDict[tuple, Any] = OrderedDict()
+"""The live rank pools of this pytest process by (backend, ranks, environment), the most recently used last."""
+RANKS_KEPT = 16
+"""Ranks kept alive from one group of files to the next (the most recently used pools): the common pools serve
+many files (each start costs seconds), and the rest end with the group that started them."""
+
+
 @pytest.fixture(scope="session")
 def ranks() -> Iterator[Callable[..., Any]]:
-    pools: dict[tuple, Any] = {}
-
     def get(backend: str, nprocs: int = 2, env: Optional[dict[str, str]] = None) -> Any:
         if backend == "self":
             return SelfPool()
         key = (backend, nprocs, tuple(sorted((env or {}).items())))
-        pool = pools.get(key)
+        pool = _POOLS.get(key)
         if pool is None or not pool.alive:
-            pool = pools[key] = RankPool(backend, nprocs, env)
+            pool = _POOLS[key] = RankPool(backend, nprocs, env)
+        _POOLS.move_to_end(key)
         return pool
 
     yield get
-    for pool in pools.values():
-        pool.request_exit()  # every pool finalizes at once, instead of one after the other
-    for pool in pools.values():
+    _end_pools(keep=0)
+    for pool in _LEAVING:
         pool.close()
+
+
+_LEAVING: list[Any] = []
+"""Pools asked to leave, reaped at the end of the session (their ranks finalise and exit meanwhile)."""
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
+    """After a group's last test, end the pools past RANKS_KEPT. Every pool kept to the end of the session, as
+    before, had 52 ranks alive at once by the end: 20 GB with a CUDA build of torch (the machine ran out of
+    memory and the suite took twice as long); a laptop has less."""
+    if _POOLS and (nextitem is None or group(nextitem) != group(item)):
+        _end_pools(keep=RANKS_KEPT)
+
+
+def _end_pools(keep: int) -> None:
+    """Ask the least recently used pools to leave until at most `keep` ranks are alive (without waiting: they
+    finalise side by side, and beside the next test)."""
+    while _POOLS and sum(pool.nprocs for pool in _POOLS.values() if pool.alive) > keep:
+        _, pool = _POOLS.popitem(last=False)
+        pool.request_exit()
+        _LEAVING.append(pool)
