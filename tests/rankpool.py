@@ -148,14 +148,19 @@ class RankPool:
                     pass
 
     def close(self) -> None:
+        """End the pool. A pool whose ranks all left cleanly leaves no log behind; one that failed keeps its log
+        (the path is in the test's failure message) for a look afterwards."""
+        codes: list[Optional[int]] = []
         if self.alive:
             self.request_exit()
             for proc in self._procs:
                 try:
-                    proc.wait(timeout=30)
+                    codes.append(proc.wait(timeout=30))
                 except subprocess.TimeoutExpired:
-                    pass
+                    codes.append(None)
         self.kill()
+        if codes and all(code == 0 for code in codes):
+            os.remove(self._log_path)
 
     def kill(self) -> None:
         self.alive = False
