@@ -123,9 +123,9 @@ _LEAVING: list[Any] = []
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
-    """After a group's last test, end the pools past RANKS_KEPT. Every pool kept to the end of the session, as
-    before, had 52 ranks alive at once by the end: 20 GB with a CUDA build of torch (the machine ran out of
-    memory and the suite took twice as long); a laptop has less."""
+    """After a group's last test, end the pools past RANKS_KEPT. Kept to the end of the session (as they once
+    were), every file's pools were alive at once by the end: 52 ranks, 20 GB with PyPI's torch (a CUDA build);
+    a 24 GB machine ran out of memory and the suite took twice as long."""
     if _POOLS and (nextitem is None or group(nextitem) != group(item)):
         _end_pools(keep=RANKS_KEPT)
 
