@@ -11,6 +11,7 @@ time kills the pool and fails the test with what each rank printed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import secrets
@@ -149,7 +150,7 @@ class RankPool:
 
     def close(self) -> None:
         """End the pool. A pool whose ranks all left cleanly leaves no log behind; one that failed keeps its log
-        (the path is in the test's failure message) for a look afterwards."""
+        (in _log_dir(), named by backend and ranks) for a look afterwards."""
         codes: list[Optional[int]] = []
         if self.alive:
             self.request_exit()
@@ -160,7 +161,8 @@ class RankPool:
                     codes.append(None)
         self.kill()
         if codes and all(code == 0 for code in codes):
-            os.remove(self._log_path)
+            with contextlib.suppress(OSError):  # (a temporary directory cleaned meanwhile)
+                os.remove(self._log_path)
 
     def kill(self) -> None:
         self.alive = False
