@@ -2,8 +2,10 @@
 
 Equivalence: float64 models, SGD with momentum, 5 steps, parameters of both
 copies of every stage within 1e-10 of one process on the whole batch, on 1,
-2 and 4 ranks, with recomputation, measured balance, tuple stages, and
-GEMS x data parallelism (pp=1 x dp=2, pp=2 x dp=2). The schedule's promises
+2, 3 and 4 ranks, with recomputation, measured balance, tuple stages,
+gradients kept between steps (`zero_grad(set_to_none=False)`) and GEMS x
+data parallelism (pp=1 x dp=2, pp=2 x dp=2); on MPI the copies' gradients
+are summed in shared memory, on the torch backend sent as messages. The schedule's promises
 are counted: the engine runs exactly `schedule.actions(rank)`, holds
 `schedule.peak_live(rank)` micro-batches at its peak (2 on 2 ranks, at most
 p + 1), and the grid's bubble is 0 on 2 ranks and below 1F1B's on 4.
@@ -41,7 +43,7 @@ def gems_train(comm, cfg: dict) -> dict:
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for s in range(STEPS):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
         loss = pipe.step(xs[s] if pipe.is_first else None, ys[s] if pipe.is_last else None, loss_fn)
         opt.step()
         losses.append(float(loss))
@@ -62,6 +64,7 @@ def gems_train(comm, cfg: dict) -> dict:
         "ran_the_schedule": list(pipe.stats.actions) == schedule.actions(pp.rank),
         "stages": pp.size,
         "microbatches": pipe.stats.microbatches,
+        "shared_exchange": pipe._shared_grads is not None,
     }
     pipe.close()
     for group in (pp, dp):
@@ -98,19 +101,25 @@ def check(results: list[list[dict]], cfgs: list[dict]) -> None:
 
 
 ONE = [{}]
-TWO = [{}, {"balance": "auto", "chunks": 8, "checkpoint": "always"}, {"model": "tuple", "checkpoint": "except_last"},
-       {"dp": 2}]  # fmt: skip
+TWO = [{}, {"balance": "auto", "chunks": 8, "checkpoint": "always"},
+       {"model": "tuple", "checkpoint": "except_last", "set_to_none": False}, {"dp": 2}]  # fmt: skip
+THREE = [{"set_to_none": False}]  # the middle rank holds both copies of its stage
 FOUR = [{"checkpoint": "always", "chunks": 8}, {"dp": 2, "balance": "auto", "checkpoint": "except_last"}]
 
 
 @pytest.mark.parametrize(
     ("backend", "nprocs", "cfgs"),
-    [("self", 1, ONE), ("mpi", 2, TWO), ("mpi", 4, FOUR), ("torch", 2, ONE)],
-    ids=["self-1", "mpi-2", "mpi-4", "torch-2"],
+    [("self", 1, ONE), ("mpi", 2, TWO), ("mpi", 3, THREE), ("mpi", 4, FOUR), ("torch", 2, ONE)],
+    ids=["self-1", "mpi-2", "mpi-3", "mpi-4", "torch-2"],
 )
 def test_gems_trains_both_copies_like_one_process(ranks, backend, nprocs, cfgs):
     results = ranks(backend, nprocs).run(train_many, cfgs, timeout=120)
     check(results, cfgs)
+    # partners on one node (MPI with shared memory) sum the copies' gradients in a shared window; else messages
+    for per_rank in results:
+        assert [got["shared_exchange"] for got in per_rank] == [
+            backend == "mpi" and got["stages"] > 1 for got in per_rank
+        ]
 
 
 def unseeded_copies(comm) -> dict:

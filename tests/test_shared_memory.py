@@ -181,6 +181,46 @@ def test_hierarchical_status_names_the_nodes(ranks):
     assert all("hierarchical allreduce across 2 nodes" in s for s in statuses), statuses
 
 
+def peer_buffers(comm):
+    """Each rank's part of its shared buffer as every other rank maps it; a write into a node mate's buffer."""
+    mine = comm.shared_buffer(8, torch.float64)
+    mine.fill_(comm.rank)
+    comm.fence_shared()
+    comm.barrier()
+    comm.fence_shared()
+    seen = {r: comm.peer_buffer(mine[2:6], r) for r in range(comm.size)}
+    mates = sorted(r for r, view in seen.items() if view is not None)
+    values = {r: seen[r].tolist() for r in mates}
+    mate = next(r for r in mates if r != comm.rank)
+    comm.peer_buffer(mine[:1], mate).fill_(100 + comm.rank)  # the mate's element 0, written from here
+    comm.fence_shared()
+    comm.barrier()
+    comm.fence_shared()
+    ordinary = [comm.peer_buffer(torch.zeros(4, dtype=torch.float64), r) for r in mates]
+    return mates, values, float(mine[0]), mine[1:].tolist(), ordinary
+
+
+def test_peer_buffers_map_the_node_mates_shared_memory_and_no_one_elses(ranks):
+    """`peer_buffer` (GEMS sums its copies' gradients through it): node mates only, read and write, same place."""
+    results = ranks("mpi", 4, HIERARCHICAL).run(peer_buffers)  # 2 virtual nodes of 2 ranks
+    for rank, (mates, values, first, rest, ordinary) in enumerate(results):
+        assert len(mates) == 2 and rank in mates, mates
+        assert all(results[mate][0] == mates for mate in mates)  # the same pairs seen from both sides
+        assert values == {mate: [float(mate)] * 4 for mate in mates}
+        (mate,) = set(mates) - {rank}
+        assert first == 100 + mate and rest == [float(rank)] * 7  # only element 0 came from the mate
+        assert ordinary == [None, None]  # a tensor outside the shared buffers has no counterpart
+
+
+def peer_buffers_of_every_rank(comm):
+    return [comm.peer_buffer(comm.shared_buffer(4, torch.float64), r) for r in range(comm.size)]
+
+
+def test_no_peer_buffers_without_shared_memory(ranks):
+    for backend, env in (("mpi", dict(FORCED, HPDL_SHM="0")), ("torch", None)):
+        assert ranks(backend, 2, env).run(peer_buffers_of_every_rank) == [[None, None]] * 2, backend
+
+
 def first_large_call_skipped(comm):
     """A new communicator's first collective above the thresholds starts the engine; the last rank skips it."""
     from hpdl.errors import CommTimeoutError

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -116,8 +116,12 @@ def activation_heavy(quick: bool) -> Any:
     return Workload("act", batch, text, layers, data, F.cross_entropy)
 
 
-def _compute_only(pipe: Any, layers: list, counts: list[int], batch: tuple, chunks: int, loss: Any) -> float:
-    """Seconds of this rank's own forwards and backwards of one step, alone (no communication, no waiting)."""
+def _compute_only(
+    pipe: Any, layers: list, counts: list[int], batch: tuple, chunks: int, loss: Any
+) -> Callable[[], float]:
+    """A timer of this rank's own forwards and backwards of one step, alone (no communication, no waiting): each
+    call runs them once and returns the seconds. The benchmark calls it in every round, beside the steps it
+    compares with (timed apart, a quiet minute or a busy one skewed the bubble: -0.08 to 0.3 for one schedule)."""
     import torch
     from torch import nn
 
@@ -152,13 +156,13 @@ def _compute_only(pipe: Any, layers: list, counts: list[int], batch: tuple, chun
                 out = module(arg)
                 (loss(out, yk) if last else out).backward(None if last else torch.ones_like(out))
 
-    run()
-    times = []
-    for _ in range(3):
+    def timed() -> float:
         started = time.perf_counter()
         run()
-        times.append(time.perf_counter() - started)
-    return float(min(times))
+        return time.perf_counter() - started
+
+    run()
+    return timed
 
 
 def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]]:
@@ -201,8 +205,10 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
             step(i, 0)
         peaks[i] = meter.peak
     param_bytes = np.array([sum(p.numel() * p.element_size() for p in pipe.parameters()) for pipe in pipes], float)
+    alone = [_compute_only(pipe, w.layers(), counts, batches[0], options.chunks, w.loss) for pipe in pipes]
     times = np.zeros((len(pipes), options.rounds))
     busy = np.zeros((len(pipes), options.rounds))
+    compute = np.zeros((len(pipes), options.rounds))
     done = options.warmup
     for r in range(options.rounds):
         for i in range(len(pipes)):
@@ -214,13 +220,13 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
                 bubbles.append(pipes[i].stats.bubble)
             times[i, r] = time.perf_counter() - started
             busy[i, r] = float(np.mean(bubbles))
+            compute[i, r] = alone[i]()
         done += options.steps
     world = comm.mpi_comm
     world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     world.Allreduce(MPI.IN_PLACE, busy, op=MPI.SUM)
     busy /= comm.size
-    compute = np.array([_compute_only(pipe, w.layers(), counts, batches[0], options.chunks, w.loss) for pipe in pipes])
-    world.Allreduce(MPI.IN_PLACE, compute, op=MPI.MAX)
+    world.Allreduce(MPI.IN_PLACE, compute, op=MPI.MAX)  # the slowest rank's, round by round
     peak_table = np.zeros((comm.size, len(pipes)))
     world.Allgather(peaks, peak_table)
     param_table = np.zeros((comm.size, len(pipes)))
@@ -228,13 +234,14 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
     records = []
     for i, schedule in enumerate(CONTENDERS):
         step_s = float(np.median(times[i])) / options.steps
+        bubbles = 1.0 - compute[i] / (times[i] / options.steps)  # each round's compute beside its own steps
         grid = pipes[i].schedule(options.chunks).bubble
         records.append({
             "model": name, "workload": w.describe, "contender": schedule, "ranks": comm.size, "batch": w.batch,
             "microbatches": options.chunks,
             "samples_per_s": report.summarize([w.batch * options.steps / t for t in times[i]]),
-            "step_ms": step_s * 1e3, "compute_only_ms": float(compute[i]) * 1e3,
-            "bubble_measured": 1.0 - float(compute[i]) / step_s, "bubble_busy": float(np.median(busy[i])),
+            "step_ms": step_s * 1e3, "compute_only_ms": float(np.median(compute[i])) * 1e3,
+            "bubble_measured": float(np.median(bubbles)), "bubble_busy": float(np.median(busy[i])),
             "bubble_grid": grid,
             "peak_activation_bytes_per_rank": peak_table[:, i].tolist(),
             "parameter_bytes_per_rank": param_table[:, i].tolist(),
@@ -292,7 +299,8 @@ def worker(options: Options) -> int:
             f"OMP_NUM_THREADS=1, {options.rounds} rounds x {options.steps} steps, alternating per round"
         )
         notes = [
-            "bubble measured = 1 - (slowest rank's own forwards and backwards of a step, run alone) / step time.",
+            "bubble measured = 1 - (slowest rank's own forwards and backwards of a step, run alone in the same "
+            "round) / step time; the median over rounds.",
             "busy-time bubble = the engine's own count: 1 - compute seconds / step seconds (gems: both replicas and "
             "the gradient exchange).",
             "grid bubble = the schedule's idle fraction on its time grid (forward 1 slot, backward 2).",

@@ -344,6 +344,19 @@ class Communicator(ABC):
         self._check_open("shared_buffer")
         return torch.empty(numel, dtype=dtype)
 
+    def peer_buffer(self, buffer: torch.Tensor, rank: int) -> Optional[torch.Tensor]:
+        """`rank`'s tensor at the place of `buffer` (a part of this rank's `shared_buffer`) in that rank's own
+        shared buffer, mapped here to read and write; None where the two ranks share no memory (here: always).
+
+        Nothing orders these reads and writes: the two ranks agree on when each may touch the other's memory
+        (a message each way; `fence_shared` before a message that hands memory over and after one that takes it).
+        """
+        return None
+
+    def fence_shared(self) -> None:
+        """A memory barrier for what `peer_buffer` tensors were written or are to be read (here: nothing to do)."""
+        return None
+
     def close(self) -> None:
         """Release engine resources of this communicator and its sub-communicators."""
         if self._closed:

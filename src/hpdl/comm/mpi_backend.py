@@ -661,6 +661,15 @@ class MpiCommunicator(Communicator):
         self._open_shm_gates()  # zero-copy sizes now leave the fast paths (every rank made one)
         return made
 
+    def peer_buffer(self, buffer: torch.Tensor, rank: int) -> Optional[torch.Tensor]:
+        if self._node is None or rank not in self._node.ranks:
+            return None
+        return self._node.peer_view(buffer, self._node.ranks.index(rank))
+
+    def fence_shared(self) -> None:
+        if self._node is not None:
+            self._node.fence()
+
     def _use_shm_thresholds(self, op: str, zero_copy: int, ordinary: int) -> None:
         """Where `op` takes the shared-memory path from now on (bytes: shared buffers, ordinary tensors), as
         `hpdl tune` does to time each path. Every rank must set the same numbers before its next `op`."""

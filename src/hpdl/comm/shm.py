@@ -308,6 +308,18 @@ class NodeCollectives:
                 return index, (address - start) // t.element_size()
         return -1, 0
 
+    def peer_view(self, t: torch.Tensor, local: int) -> Optional[torch.Tensor]:
+        """Node rank `local`'s counterpart of `t` (a part of one of this rank's shared buffers), or None."""
+        index, offset = self._locate(t)
+        if index < 0 or not t.is_contiguous():
+            return None
+        return self._buffers[index].peers[local][offset : offset + t.numel()].view(t.shape)
+
+    def fence(self) -> None:
+        """A memory barrier between this rank's stores and loads in shared memory before and after it: MPI_Win_sync
+        on the staging window (the one in a passive-target epoch; the barrier is the processor's, for every window)."""
+        self._stage_win.Sync()
+
     def _publish(self, t: torch.Tensor) -> bool:
         """Say where this rank's data lives for the coming operation; True when it is zero-copy."""
         index, offset = self._locate(t)

@@ -16,7 +16,11 @@ as a copy's last backward of the step has run, its gradient (weighted by
 its replica's share of the rows) leaves for the partner, overlapping the
 rest of the step; at the end each copy gets the sum, so both copies take
 the same optimizer step and stay equal (on an odd number of ranks the
-middle rank holds both copies of its stage and adds them itself). With
+middle rank holds both copies of its stage and adds them itself). Where
+the partners share a node (MPI with shared memory), the gradients are
+packed into a shared window instead and each rank of a pair adds half of
+each stage's elements, writing the sum into both copies: no message
+carries them, and the summed window becomes the parameters' `.grad`. With
 `data_parallel=` the summed gradients are then averaged over that group in
 one allreduce.
 """
@@ -42,8 +46,10 @@ from hpdl.parallel.pipe.pipeline import SCHEDULE_CLASSES, Pipeline, _layers
 
 __all__ = ["GemsPipeline", "GemsStats"]
 
-TAG_PARAMS, TAG_GRAD_OF_A, TAG_GRAD_OF_B = 50, 51, 52
-"""Between partner ranks: the initial weights, and the gradients of replica A's / B's copy of a stage."""
+TAG_PARAMS, TAG_GRAD_OF_A, TAG_GRAD_OF_B, TAG_PACKED, TAG_SUMMED = 50, 51, 52, 53, 54
+"""Between partner ranks: the initial weights; the gradients of replica A's / B's copy of a stage; (in shared
+memory) "my copies' gradients are packed" and "my halves of the sums are written"."""
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -140,6 +146,7 @@ class GemsPipeline(Pipeline):
         self._schedules: dict[int, GemsSchedule] = {}
         self._stats = GemsStats()
         self._exchange_buffers: dict[tuple, torch.Tensor] = {}
+        self._shared_grads = self._shared_gradient_buffers()
 
     def _build(self, layers: list, stage: int, seed: Optional[int]) -> nn.Sequential:
         start = sum(self.balance[:stage])
@@ -173,6 +180,26 @@ class GemsPipeline(Pipeline):
         if box is not None:
             with torch.no_grad():
                 _unflat(box, mirror)
+
+    def _shared_gradient_buffers(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(this rank's, its partner's) flat gradient buffers [copy of replica A | copy of replica B] in shared
+        memory, when every pair of partners shares a node and every copy's parameters are of one CPU float dtype;
+        else None (the gradients then travel as messages). Collective over the pipeline's ranks."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        kinds = {(p.dtype, p.device.type) for p in params}
+        dtype, device = next(iter(kinds)) if len(kinds) == 1 else (None, None)
+        code = _DTYPES.index(dtype) if device == "cpu" and dtype in _DTYPES else (-1 if kinds else None)
+        probe = self.comm.shared_buffer(1, torch.float32)  # (starts the node's shared memory on every rank)
+        paired = self.partner == self.stage or self.comm.peer_buffer(probe, self.partner) is not None
+        low, high = (99, -1) if code is None else (code, code) if code >= 0 else (-1, 99)
+        votes = torch.tensor([_numel(params), high, -low, 0 if paired else 1], dtype=torch.int64)
+        self.comm.allreduce(votes, "max")
+        numel, high, low, unpaired = int(votes[0]), int(votes[1]), -int(votes[2]), int(votes[3])
+        if unpaired or high != low or high < 0 or self.comm.size == 1:
+            return None
+        mine = self.comm.shared_buffer(numel, _DTYPES[high])
+        theirs = mine if self.partner == self.stage else self.comm.peer_buffer(mine, self.partner)
+        return (mine, theirs) if theirs is not None else None
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
@@ -214,7 +241,9 @@ class GemsPipeline(Pipeline):
                 run.actions = schedule.replica_actions(replica, self.stage)
                 run.last_backward = len(run.actions) - 1
             stats = self._stats = GemsStats(microbatches=m)
-            done, ran, exchange = [0, 0], [], _Exchange(self)
+            shared = self._shared_grads
+            exchange = _SharedExchange(self, *shared) if shared is not None else _Exchange(self)
+            done, ran = [0, 0], []
             for action in schedule.actions(self.stage):
                 replica = action.replica  # type: ignore[attr-defined]
                 run, engine = runs[replica], self._engines[replica]
@@ -359,6 +388,83 @@ class _Exchange:
             return
         for replica, t in summed:
             _set_grads(t, self.params[replica])
+
+
+class _SharedExchange:
+    """The exchange where the partners share a node: each copy's gradient, weighted, is packed into this rank's
+    shared buffer; then each rank of the pair adds half of every stage's elements (the lower rank the first
+    half) and writes the sum into both copies, so both hold the same bits without a message of gradients.
+
+    The partner's buffer is [its copy of replica A (my replica B's stage) | its copy of replica B (my replica
+    A's stage)]: my A pairs with its B, my B with its A. Two small messages each way bound the window in which
+    the partner's memory is touched; afterwards the parameters' `.grad` are views of this rank's buffer (the
+    next step's backward accumulates into them as into any `.grad`, or `zero_grad()` drops them).
+    """
+
+    def __init__(self, pipe: GemsPipeline, mine: torch.Tensor, theirs: torch.Tensor):
+        self.pipe = pipe
+        self.params = (
+            [p for p in pipe.layers.parameters() if p.requires_grad],
+            [p for p in pipe.mirror_layers.parameters() if p.requires_grad],
+        )
+        n_a, n_b = _numel(self.params[0]), _numel(self.params[1])
+        self.total = mine[: n_a + n_b]
+        self.regions = (mine[:n_a], mine[n_a : n_a + n_b])
+        self.local = pipe.partner == pipe.stage
+        self.counterparts = (theirs[n_b : n_b + n_a], theirs[:n_b])
+        self.flags: list[torch.Tensor] = []
+        self.works: list = []
+        if not self.local:
+            comm = pipe.comm
+            for tag in (TAG_PACKED, TAG_SUMMED):
+                flag = torch.zeros(1, dtype=torch.int64)
+                self.flags.append(flag)
+                self.works.append(comm.recv(flag, pipe.partner, tag=tag, async_op=True))
+
+    def _views(self, replica: int) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        offset, region = 0, self.regions[replica]
+        for p in self.params[replica]:
+            yield p, region[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def start(self, replica: int, share: float) -> None:
+        """Replica `replica`'s copy has its step's gradient: weight it by the replica's share of rows, in place."""
+        with torch.no_grad():
+            for p, view in self._views(replica):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() == view.data_ptr() and p.grad.shape == view.shape:
+                    view.mul_(share)  # the summed buffer from the last step, zeroed in place and accumulated into
+                else:
+                    torch.mul(p.grad, share, out=view)
+
+    def _meet(self, index: int, what: str) -> None:
+        """Tell the partner that this rank reached point `index` and wait (bounded) until it did too."""
+        comm, partner = self.pipe.comm, self.pipe.partner
+        comm.fence_shared()
+        sent = comm.send(torch.ones(1, dtype=torch.int64), partner, tag=(TAG_PACKED, TAG_SUMMED)[index], async_op=True)
+        self.pipe._engines[0].link.wait([sent, self.works[index]], what, partner)
+        comm.fence_shared()
+
+    def finish(self) -> None:
+        pipe = self.pipe
+        if not self.local:
+            self._meet(0, "the partner's packed gradients (shared memory)")
+        with torch.no_grad():
+            for mine, theirs in zip(self.regions, self.counterparts) if not self.local else [self.regions]:
+                n = mine.numel()
+                lo, hi = (0, n) if self.local else (0, n // 2) if pipe.stage < pipe.partner else (n // 2, n)
+                total = torch.add(mine[lo:hi], theirs[lo:hi], out=mine[lo:hi])
+                theirs[lo:hi].copy_(total)
+        if not self.local:
+            self._meet(1, "the partner's halves of the summed gradients (shared memory)")
+        dp = pipe.dp
+        if dp is not None and dp.size > 1 and self.total.numel():
+            dp.allreduce(self.total, "avg")
+        for replica in (0, 1):
+            for p, view in self._views(replica):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
 
 
 def _halves(value: Any, what: str) -> tuple[Any, Any]:
