@@ -13,6 +13,8 @@ p + 1), and the grid's bubble is 0 on 2 ranks and below 1F1B's on 4.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -173,3 +175,59 @@ def test_the_planner_knows_the_gems_schedule():
     assert gems.bubble_s == 0.0 < one.bubble_s  # 2 stages: GEMS fills the bubble
     # ... at the price of a second copy of every stage's model states on each device
     assert gems.memory["params"] == pytest.approx(2 * one.memory["params"], rel=0.2)
+
+
+def gems_failing_step(comm, failing_rank: int) -> str:
+    """The first layer of stage `failing_rank` of replica A (on that rank; the other ranks build their copies of
+    the stage without it) raises in its 3rd forward: step 1's first (2 micro-batches a step in each replica)."""
+    from test_pipeline import DIN, DOUT, Explode
+
+    layers = [torch.nn.Linear(DIN, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, DOUT)]
+    if comm.rank == failing_rank:
+        first = failing_rank * len(layers) // comm.size  # (equal layer counts per stage)
+        layers[first] = torch.nn.Sequential(Explode(3), layers[first])
+    pipe = Pipeline(torch.nn.Sequential(*layers).double(), comm, chunks=4, schedule="gems")
+    xs, ys = make_data("mlp")
+    started = time.perf_counter()
+    for s in range(3):
+        pipe.step(xs[s] if pipe.is_first else None, ys[s] if pipe.is_last else None, loss_fn)
+    return f"no error after {time.perf_counter() - started:.1f} s"
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_a_failure_on_one_rank_stops_both_replicas_with_its_traceback(ranks, nprocs):
+    started = time.perf_counter()
+    results = ranks("mpi", nprocs).run(gems_failing_step, 1, timeout=60, expect_errors=True)
+    assert time.perf_counter() - started < 30  # never a hang: the error travels, no timeout is needed
+    assert results[1].type_name == "ValueError" and "boom" in results[1].message, results[1]
+    # named by replica and by the rank of the pipeline's communicator (replica B's stage s runs on rank p-1-s)
+    failed = "stage 1 of replica A (rank 1) failed: ValueError: boom"
+    for rank in set(range(nprocs)) - {1}:
+        error = results[rank]
+        assert error.type_name == "StageFailedError", (rank, error)
+        assert failed in error.message and "Traceback" in error.message, (rank, error.message)
+
+
+def gems_rank_skips_a_step(comm, skipping: int) -> tuple:
+    from hpdl.errors import CommTimeoutError
+
+    comm.timeout = 2.0
+    pipe = Pipeline(make_model("mlp"), comm, chunks=4, schedule="gems")
+    xs, ys = make_data("mlp")
+    pipe.step(xs[0] if pipe.is_first else None, ys[0] if pipe.is_last else None, loss_fn)
+    if comm.rank == skipping:
+        return ("skipped",)
+    started = time.perf_counter()
+    try:
+        pipe.step(xs[1] if pipe.is_first else None, ys[1] if pipe.is_last else None, loss_fn)
+    except CommTimeoutError as error:
+        return str(error), error.missing, time.perf_counter() - started
+    return ("returned",)
+
+
+def test_a_rank_that_skips_a_step_is_named_within_the_timeout(ranks):
+    results = ranks("mpi", 2).run(gems_rank_skips_a_step, 1, timeout=60)
+    assert results[1] == ("skipped",)
+    message, missing, seconds = results[0]
+    assert missing == (1,) and seconds < 10, results[0]
+    assert "(rank 0) waited 2.0 s for" in message and "of replica" in message and "(rank 1)" in message, message

@@ -162,7 +162,8 @@ class StageEngine:
         _, m, shapes_id, rows, new, _ = header
         if header[0] != mode:
             raise PipelineError(
-                f"stage {self.stage} called {_MODES[mode]} while stage 0 called {_MODES[header[0]]}: every rank "
+                f"stage {self.stage}{self.link.replica} called {_MODES[mode]} while stage 0 called "
+                f"{_MODES[header[0]]}: every rank "
                 "of the pipeline must call the same method in the same order"
             )
         xs = microbatch.split(x, self.chunks, "x") if self.first else [None] * m
@@ -170,8 +171,8 @@ class StageEngine:
         if self.last and mode == TRAIN:
             if y is None or loss_fn is None:
                 raise PipelineError(
-                    f"the last stage (rank {self.link.comm.rank}) needs the targets y and loss_fn in step(x, y, "
-                    "loss_fn); other stages may pass None for y"
+                    f"the last stage{self.link.replica} (rank {self.link.ranks[self.stage]}) needs the targets y and "
+                    "loss_fn in step(x, y, loss_fn); other stages may pass None for y"
                 )
             if microbatch.batch_size(y, "y") != rows:
                 raise PipelineError(

@@ -39,7 +39,7 @@ from hpdl.comm.base import Communicator
 from hpdl.parallel.pipe import balance as balancing
 from hpdl.parallel.pipe import microbatch
 from hpdl.parallel.pipe.engine import PREDICT, TRAIN, StageEngine
-from hpdl.parallel.pipe.errors import PipelineError
+from hpdl.parallel.pipe.errors import PipelineError, StageFailedError
 from hpdl.parallel.pipe.gems_schedule import GemsSchedule
 from hpdl.parallel.pipe.p2p import Link
 from hpdl.parallel.pipe.pipeline import SCHEDULE_CLASSES, Pipeline, _layers
@@ -133,12 +133,13 @@ class GemsPipeline(Pipeline):
         self._owns_comm = comm_a is not comm
         self.closed = False
         self._sync_copies()
+        link_a = Link(comm_a, self.stage, self.stages, replica=" of replica A")
+        mirrored = [self.stages - 1 - s for s in range(self.stages)]  # replica B's stage s runs on rank p-1-s
+        link_b = Link(comm_b, self.mirror_stage, self.stages, replica=" of replica B", ranks=mirrored)
         self._engines = (
-            StageEngine(self.layers, Link(comm_a, self.stage, self.stages), schedule="1f1b", chunks=chunks // 2,
-                        checkpoint=checkpoint),
-            StageEngine(self.mirror_layers, Link(comm_b, self.mirror_stage, self.stages), schedule="1f1b",
-                        chunks=chunks // 2, checkpoint=checkpoint),
-        )  # fmt: skip
+            StageEngine(self.layers, link_a, schedule="1f1b", chunks=chunks // 2, checkpoint=checkpoint),
+            StageEngine(self.mirror_layers, link_b, schedule="1f1b", chunks=chunks // 2, checkpoint=checkpoint),
+        )
         self._engine = self._engines[0]
         for engine, stage_layers in zip(self._engines, (self.layers, self.mirror_layers)):
             engine.drive_progress(stage_layers)
@@ -229,8 +230,10 @@ class GemsPipeline(Pipeline):
             link.begin()
         for engine in self._engines:
             engine.running = True
+        current = links[0]  # the replica whose work runs now: a failure is named after its stage
         try:
             run_a = engine_a.prepare(TRAIN, x_a if self.stage == 0 else None, y_a, loss_fn)
+            current = links[1]
             run_b = engine_b.prepare(TRAIN, x_b if self.stage == self.stages - 1 else None, y_b, loss_fn)
             m = run_a.m + run_b.m
             schedule = self.schedule(m)
@@ -246,21 +249,24 @@ class GemsPipeline(Pipeline):
             done, ran = [0, 0], []
             for action in schedule.actions(self.stage):
                 replica = action.replica  # type: ignore[attr-defined]
-                run, engine = runs[replica], self._engines[replica]
+                run, engine, current = runs[replica], self._engines[replica], links[replica]
                 run.do(done[replica], engine.stats)
                 done[replica] += 1
                 ran.append(action)
                 stats.peak_live = max(stats.peak_live, run_a.live + run_b.live)
                 if done[replica] == len(run.actions):
                     exchange.start(replica, run.rows / (run_a.rows + run_b.rows))
+            current = links[0]
             loss_a = links[0].finish(run_a.result())
+            current = links[1]
             loss_b = links[1].finish(run_b.result())
             reduce_started = time.perf_counter()
             exchange.finish()
             stats.reduce_seconds = time.perf_counter() - reduce_started
         except BaseException as error:
-            for link in links:
-                link.fail(error)
+            notice = error if isinstance(error, StageFailedError) else current.failure(error)
+            for link in links:  # both replicas' neighbours hear of it, under the stage where it happened
+                link.fail(notice)
             raise
         finally:
             for engine in self._engines:

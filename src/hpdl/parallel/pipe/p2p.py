@@ -98,10 +98,18 @@ def gradient_spec(spec: Spec) -> Spec:
 
 
 class Link:
-    """This stage's channels to its neighbours over a private communicator (rank = stage)."""
+    """This stage's channels to its neighbours over a private communicator (rank = stage).
 
-    def __init__(self, comm: Communicator, stage: int, stages: int):
+    `replica` and `ranks` are for messages: what follows "stage s" in them (GEMS: " of replica B") and the rank of
+    the pipeline's communicator that runs each stage (default: stage s on rank s).
+    """
+
+    def __init__(
+        self, comm: Communicator, stage: int, stages: int, *, replica: str = "", ranks: Optional[Sequence[int]] = None
+    ):
         self.comm = comm
+        self.replica = replica
+        self.ranks = list(ranks) if ranks is not None else list(range(stages))
         self.stage = stage
         self.stages = stages
         self.prev: Optional[int] = stage - 1 if stage > 0 else None
@@ -116,6 +124,16 @@ class Link:
         # that times out closes the connection: there, waits block in helper threads (`_Waiter`).
         self.polling = comm.backend != "torch"
         self._watchers: dict[int, _Waiter] = {}
+
+    def failure(self, error: BaseException) -> StageFailedError:
+        """This stage's own failure as its neighbours hear of it (`fail` sends it; GEMS sends it on both links)."""
+        text = f"{self.name(self.stage)} failed: {type(error).__name__}: {error}"
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return StageFailedError(text, stage=self.stage, remote_traceback=tb, detail=text)
+
+    def name(self, stage: int) -> str:
+        """How messages name `stage`: "stage 2 (rank 2)", or in GEMS "stage 2 of replica B (rank 1)"."""
+        return f"stage {stage}{self.replica} (rank {self.ranks[stage]})"
 
     # ------------------------------------------------------------------ step life cycle
     def begin(self) -> None:
@@ -152,14 +170,10 @@ class Link:
     def fail(self, error: BaseException) -> None:
         """Tell the neighbours (except the one the error came from) that the step failed; never raises."""
         self.broken = True
-        if isinstance(error, StageFailedError):
-            origin, text, tb = error.stage, error.detail, error.remote_traceback
-            skip = getattr(error, "_via", None)
-        else:
-            origin = self.stage
-            text = f"stage {self.stage} (rank {self.comm.rank}) failed: {type(error).__name__}: {error}"
-            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            skip = None
+        if not isinstance(error, StageFailedError):
+            error = self.failure(error)
+        origin, text, tb = error.stage, error.detail, error.remote_traceback
+        skip = getattr(error, "_via", None) if getattr(error, "_link", self) is self else None
         payload = torch.frombuffer(bytearray(pickle.dumps((origin, text, tb))), dtype=torch.uint8)
         works = []
         for peer in (self.prev, self.next):
@@ -291,13 +305,13 @@ class Link:
             self._check_control(p)
         if not finished:
             self.broken = True
-            source = f" from stage {peer}" if peer is not None else ""
+            source = f" from {self.name(peer)}" if peer is not None else ""
             raise CommTimeoutError(
-                f"stage {self.stage} waited {self.comm.timeout:.1f} s for {what}{source} and gave up: that stage is "
-                "stuck or was not running the same pipeline step (every rank of the pipeline must call step() "
+                f"{self.name(self.stage)} waited {self.comm.timeout:.1f} s for {what}{source} and gave up: that "
+                "stage is stuck or was not running the same pipeline step (every rank of the pipeline must call step() "
                 "or predict() together). Raise the limit with hpdl.init(timeout=...) if a stage is only slow.",
                 op=f"pipeline {what}",
-                missing=(peer,) if peer is not None else (),
+                missing=(self.ranks[peer],) if peer is not None else (),
             )
 
     def _arrived(self, peer: int) -> bool:
@@ -316,7 +330,7 @@ class Link:
             return
         self.broken = True
         payload = torch.empty(int(box[2].item()), dtype=torch.uint8)
-        detail = f"stage {peer} reported a failure, and its details did not arrive"
+        detail = f"{self.name(peer)} reported a failure, and its details did not arrive"
         origin, tb = peer, ""
         try:
             self.comm.recv(payload, peer, tag=TAG_ERROR, async_op=True).wait(timeout=FAILURE_NOTICE_SECONDS)
@@ -324,12 +338,13 @@ class Link:
         except Exception:
             pass
         error = StageFailedError(
-            f"{detail}\n(stage {self.stage} stopped because of it.) Original traceback:\n{tb}",
+            f"{detail}\n({self.name(self.stage)} stopped because of it.) Original traceback:\n{tb}",
             stage=origin,
             remote_traceback=tb,
             detail=detail,
         )
-        error._via = peer  # type: ignore[attr-defined]  # do not send it back where it came from
+        error._via = peer  # type: ignore[attr-defined]  # do not send it back where it came from...
+        error._link = self  # type: ignore[attr-defined]  # ...on this link (GEMS relays it on its other one too)
         raise error
 
     def _control_result(self, peer: int) -> float:
