@@ -188,15 +188,18 @@ class GemsPipeline(Pipeline):
         else None (the gradients then travel as messages). Collective over the pipeline's ranks."""
         params = [p for p in self.parameters() if p.requires_grad]
         kinds = {(p.dtype, p.device.type) for p in params}
-        dtype, device = next(iter(kinds)) if len(kinds) == 1 else (None, None)
-        code = _DTYPES.index(dtype) if device == "cpu" and dtype in _DTYPES else (-1 if kinds else None)
+        if not kinds:  # no gradients on this rank: agrees with any dtype
+            low, high = len(_DTYPES), -1
+        elif len(kinds) == 1 and next(iter(kinds))[1] == "cpu" and next(iter(kinds))[0] in _DTYPES:
+            low = high = _DTYPES.index(next(iter(kinds))[0])
+        else:  # mixed dtypes, or not on the CPU: no rank takes the shared path
+            low, high = -1, len(_DTYPES)
         probe = self.comm.shared_buffer(1, torch.float32)  # (starts the node's shared memory on every rank)
         paired = self.partner == self.stage or self.comm.peer_buffer(probe, self.partner) is not None
-        low, high = (99, -1) if code is None else (code, code) if code >= 0 else (-1, 99)
         votes = torch.tensor([_numel(params), high, -low, 0 if paired else 1], dtype=torch.int64)
         self.comm.allreduce(votes, "max")
         numel, high, low, unpaired = int(votes[0]), int(votes[1]), -int(votes[2]), int(votes[3])
-        if unpaired or high != low or high < 0 or self.comm.size == 1:
+        if unpaired or high != low or high < 0 or self.comm.size == 1:  # (one dtype everywhere: high == low)
             return None
         mine = self.comm.shared_buffer(numel, _DTYPES[high])
         theirs = mine if self.partner == self.stage else self.comm.peer_buffer(mine, self.partner)
@@ -418,14 +421,11 @@ class _SharedExchange:
         self.regions = (mine[:n_a], mine[n_a : n_a + n_b])
         self.local = pipe.partner == pipe.stage
         self.counterparts = (theirs[n_b : n_b + n_a], theirs[:n_b])
-        self.flags: list[torch.Tensor] = []
-        self.works: list = []
+        self.works: list = []  # the partner's two messages, received into one-word boxes the works keep
         if not self.local:
-            comm = pipe.comm
             for tag in (TAG_PACKED, TAG_SUMMED):
-                flag = torch.zeros(1, dtype=torch.int64)
-                self.flags.append(flag)
-                self.works.append(comm.recv(flag, pipe.partner, tag=tag, async_op=True))
+                box = torch.zeros(1, dtype=torch.int64)
+                self.works.append(pipe.comm.recv(box, pipe.partner, tag=tag, async_op=True))
 
     def _views(self, replica: int) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         offset, region = 0, self.regions[replica]
