@@ -9,6 +9,9 @@ is a statistical property, not an identity), less the ones ours pass
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import sklearn.cluster
 import sklearn.decomposition
 import sklearn.linear_model
@@ -66,6 +69,12 @@ def test_every_estimator_is_checked():
     assert {type(e) for e in ESTIMATORS} == set(TWINS) and set(TWINS) == {getattr(ml, n) for n in ml.__all__[:-1]}
 
 
-@parametrize_with_checks(ESTIMATORS, expected_failed_checks=twin_failures)
+def _listed(mark: Any) -> Any:
+    """scikit-learn < 1.8 parametrizes with a generator, which pytest deprecates (PytestRemovedIn10Warning): a list."""
+    names, values, *rest = mark.mark.args
+    return pytest.mark.parametrize(names, list(values), *rest, **mark.mark.kwargs)
+
+
+@_listed(parametrize_with_checks(ESTIMATORS, expected_failed_checks=twin_failures))
 def test_sklearn_compatible(estimator, check):
     check(estimator)
