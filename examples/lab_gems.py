@@ -6,8 +6,9 @@ Rank r holds stage r of replica A and stage p-1-r of replica B. Replica A's
 micro-batches enter at rank 0 while replica B's enter at rank p-1, so each
 one's forwards run in the other's warm-up and drain: the schedule below has
 no idle slot on 2 ranks, where one 1F1B pipeline idles 1/(m+1) of the step.
-The two copies of every stage exchange gradients (partner ranks r and
-p-1-r) and stay equal; training equals one process on the whole batch.
+The two copies of every stage sum their gradients (partner ranks r and
+p-1-r: through shared memory when they share a node, else by messages) and
+stay equal; training equals one process on the whole batch.
 Each part prints what every rank holds and checks the claim it makes.
 """
 
@@ -51,7 +52,8 @@ def main() -> None:
     pipe = Pipeline(model(), comm, chunks=args.chunks, schedule="gems", checkpoint="never")
     show(comm, "placement: every rank holds two stages, in opposite order for the two replicas",
          f"stage {pipe.stage} of replica A (layers {pipe.first_layer}..), stage {pipe.mirror_stage} of replica B "
-         f"(layers {pipe.mirror_first_layer}..); partner rank {pipe.partner}")  # fmt: skip
+         f"(layers {pipe.mirror_first_layer}..); partner rank {pipe.partner}, the copies' gradients summed "
+         f"through {pipe.gradient_exchange}")  # fmt: skip
     schedule = pipe.schedule()
     one = make_schedule("1f1b", comm.size, args.chunks)
     if comm.rank == 0:

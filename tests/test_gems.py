@@ -66,7 +66,7 @@ def gems_train(comm, cfg: dict) -> dict:
         "ran_the_schedule": list(pipe.stats.actions) == schedule.actions(pp.rank),
         "stages": pp.size,
         "microbatches": pipe.stats.microbatches,
-        "shared_exchange": pipe._shared_grads is not None,
+        "exchange": pipe.gradient_exchange,
     }
     pipe.close()
     for group in (pp, dp):
@@ -119,9 +119,10 @@ def test_gems_trains_both_copies_like_one_process(ranks, backend, nprocs, cfgs):
     check(results, cfgs)
     # partners on one node (MPI with shared memory) sum the copies' gradients in a shared window; else messages
     for per_rank in results:
-        assert [got["shared_exchange"] for got in per_rank] == [
-            backend == "mpi" and got["stages"] > 1 for got in per_rank
+        wanted = [
+            "local" if got["stages"] == 1 else "shared memory" if backend == "mpi" else "messages" for got in per_rank
         ]
+        assert [got["exchange"] for got in per_rank] == wanted
 
 
 def unseeded_copies(comm) -> dict:

@@ -310,6 +310,14 @@ class GemsPipeline(Pipeline):
         return self._stats
 
     @property
+    def gradient_exchange(self) -> str:
+        """How the two copies of this rank's stages are summed: "shared memory" (the partner's window is read
+        and written here), "messages" (sent to the partner), or "local" (one rank: it holds both copies)."""
+        if self.partner == self.stage and self.stages == 1:
+            return "local"
+        return "shared memory" if self._shared_grads is not None else "messages"
+
+    @property
     def is_first(self) -> bool:
         """Whether this rank reads `x` in `step` (the first stage of replica A or of replica B)."""
         return self.stage in (0, self.stages - 1)
