@@ -276,6 +276,81 @@ def test_rank_that_dies_mid_collective_ends_the_others_within_the_timeout(tmp_pa
     assert ended - started < 30, done.stderr
 
 
+def short_of_shared_memory(comm, available: int) -> tuple:
+    """A new communicator's engine and shared buffer where /dev/shm is said to hold `available` bytes."""
+    import warnings
+
+    saved = os.environ.get("HPDL_SHM_MB")
+    os.environ["HPDL_SHM_AVAILABLE_BYTES"] = str(available)
+    os.environ["HPDL_SHM_MB"] = "32"  # the default (the pool's environment has a small one)
+    try:
+        sub = comm.split(0, comm.rank)
+        t = torch.full((16 << 20,), float(comm.rank + 1))  # 64 MiB: above every threshold
+        sub.allreduce(t)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            buffer = sub.shared_buffer(8 << 20)  # 32 MiB per rank
+        buffer.fill_(comm.rank + 1.0)
+        sub.allreduce(buffer)
+        ordinary = sub.peer_buffer(buffer, 1 - comm.rank) is None
+        out = sub.shm_status, t.unique().tolist(), buffer.unique().tolist(), ordinary, [str(w.message) for w in caught]
+        sub.close()
+        return out
+    finally:
+        del os.environ["HPDL_SHM_AVAILABLE_BYTES"]
+        if saved is None:
+            del os.environ["HPDL_SHM_MB"]
+        else:
+            os.environ["HPDL_SHM_MB"] = saved
+
+
+def test_a_small_dev_shm_shrinks_the_engine_and_keeps_big_buffers_in_ordinary_memory(ranks):
+    """A default Docker container has 64 MB of /dev/shm: a 64 MiB allreduce there died of SIGBUS in both ranks."""
+    results = ranks("mpi", 2, FORCED).run(short_of_shared_memory, 40 << 20)
+    for rank, (status, values, summed, ordinary, warned) in enumerate(results):
+        assert status.startswith("on: 2 ranks per node share 9.75 MB each, not 32: /dev/shm has 40 MB free"), status
+        assert "--shm-size" in status and values == [3.0] and summed == [3.0] and ordinary
+        assert len(warned) == (rank == 0) and all("does not fit" in w and "--shm-size" in w for w in warned), warned
+    results = ranks("mpi", 2, FORCED).run(short_of_shared_memory, 2 << 20)
+    for status, values, summed, ordinary, warned in results:
+        assert status.startswith("off: /dev/shm has 2 MB free") and "plain MPI" in status, status
+        assert values == [3.0] and summed == [3.0] and ordinary and not warned
+
+
+SMALL_SHM = """
+import torch, hpdl
+comm = hpdl.init()
+t = torch.full((16 << 20,), float(comm.rank + 1))
+comm.allreduce(t)
+buffer = comm.shared_buffer(8 << 20)
+buffer.fill_(1.0)
+comm.allreduce(buffer)
+print(f"rank {comm.rank}: {t.unique().tolist()} {buffer.unique().tolist()} {comm.shm_status}", flush=True)
+"""
+
+
+def test_a_real_64_mb_dev_shm_runs_big_collectives(tmp_path):
+    """The container's case for real: a private mount of a 64 MB tmpfs on /dev/shm (root and unshare needed)."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here (unshare -m needs root): {probe.stderr.strip()}")
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM)
+    launch = f"{sys.executable} -m hpdl.cli.main launch -n 2 {script}"
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64m tmpfs /dev/shm && {launch}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # before: "signaled with Bus error" on both ranks
+    for rank in (0, 1):
+        assert f"rank {rank}: [3.0] [2.0] on: 2 ranks per node share" in done.stdout, done.stdout
+    assert "not 32: /dev/shm has" in done.stdout, done.stdout
+
+
 def default_thresholds(comm):
     """Between the two thresholds only all-zero-copy calls take shared memory; mixed calls agree on MPI."""
     from hpdl.comm import shm

@@ -100,12 +100,17 @@ def _mpi_info() -> dict[str, Any]:
         )
     else:
         shared = "off (HPDL_SHM=0): plain MPI"
+    free = shm.available_bytes()
+    room = "not checked (no /dev/shm)" if free is None else f"{free / 2**20:.0f} MB free in {shm.SHM_DIR}"
+    if free is not None and free < 2 * shm.segment_bytes() + (256 << 20):  # little: say what to do
+        room = f"little: {shm.short_of_shared_memory(free)}"
     return {
         "mpi4py": mpi4py.__version__,
         "mpi library": library_version(),
         "mpiexec": mpiexec,
         "mpi cuda-aware": cuda_aware(),
         "mpi shared-memory collectives": shared,
+        "shared memory for windows": room,
         **_thresholds(library_version()),
         "mpi fast-path calls": mpi_calls.select()[1],
     }

@@ -621,26 +621,40 @@ class MpiCommunicator(Communicator):
         node = node_comm(self.mpi_comm)
         local = node.Get_size()
         wanted = int(self.shared_memory)
-        extremes = torch.tensor([local, -local, -wanted], dtype=torch.int64)  # max, -min, -min
+        free = shm.available_bytes()
+        free = shm.NEVER if free is None else free
+        extremes = torch.tensor([local, -local, -wanted, -free], dtype=torch.int64)  # max, -min, -min, -min
         self._allreduce(extremes, "max", -1).wait()
+        free = -int(extremes[3])  # the least any rank sees (the same directory on a node; nodes may differ)
+        segment = shm.fitting_segment(shm.segment_bytes(), free, local)
         if extremes[2] != -1:  # off on at least one rank: off everywhere
             self.shm_status = "off (HPDL_SHM=0 or comm.shared_memory = False): plain MPI"
         elif local == 1:
             self.shm_status = "off: one rank on this node, plain MPI"
         elif int(extremes[0]) != -int(extremes[1]):
             self.shm_status = "off: nodes hold different numbers of ranks, plain MPI"
+        elif not segment:
+            self.shm_status = f"off: {shm.short_of_shared_memory(free)}; plain MPI"
         else:
             members = node.Get_group().Translate_ranks(list(range(local)), self.mpi_comm.Get_group())
             try:
-                self._node = shm.NodeCollectives(node, members, lambda: self.timeout, self.__repr__, self._mark_broken)
+                self._node = shm.NodeCollectives(
+                    node, members, lambda: self.timeout, self.__repr__, self._mark_broken, segment=segment
+                )
             except MPI.Exception as exc:
                 self.shm_status = f"off: shared window could not be allocated ({exc}), plain MPI"
             else:
                 nodes = self.size // local
                 if nodes > 1:
                     self._cross = self.mpi_comm.Split(node.Get_rank(), self.rank)
-                self.shm_status = f"on: {local} ranks per node share {self._node.segment >> 20} MB each" + (
-                    f"; hierarchical allreduce across {nodes} nodes" if nodes > 1 else ""
+                self.shm_status = (
+                    f"on: {local} ranks per node share {segment / 2**20:.3g} MB each"
+                    + (
+                        f", not {shm.segment_bytes() / 2**20:.3g}: {shm.short_of_shared_memory(free)}"
+                        if segment < shm.segment_bytes()
+                        else ""
+                    )
+                    + (f"; hierarchical allreduce across {nodes} nodes" if nodes > 1 else "")
                 )
                 return
         node.Free()

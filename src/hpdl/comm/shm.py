@@ -28,6 +28,7 @@ import itertools
 import math
 import os
 import time
+import warnings
 from array import array
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -98,6 +99,14 @@ MPI and unpacked (HPDL_SHM_MIN_ALLREDUCE_COALESCED overrides it). Measured on 2 
 5.0.2, one call between barriers, the two routes alternating in one job, three runs): shared memory / MPI
 1.0-1.06x at 200 KiB, 0.92-0.97x at 400 KiB, 0.81-0.90x at 800 KiB, 0.63-0.75x at 1.6 MiB, 0.45-0.6x at 8 MiB."""
 
+SHM_DIR = "/dev/shm"
+"""Where MPI libraries keep shared windows (MPICH's files are there): a tmpfs of limited size, 64 MB in a
+default Docker container. A process that touches a window's page beyond it dies of SIGBUS, with no message."""
+MIN_SEGMENT = 1 << 20
+"""The smallest staging segment per rank worth starting the engine for."""
+_SPARE = 1 << 20
+"""Room left in SHM_DIR beside what a window needs (page rounding, the MPI library's own segments)."""
+
 _yield = getattr(os, "sched_yield", lambda: None)
 _FLAG_SPINS = 4096
 """Looks at the flags the compiled wait takes before the bounded Python loop (deadline, timeout report) takes
@@ -136,6 +145,34 @@ def thresholds(op: str, measured: Optional[tuple[int, int]] = None) -> tuple[int
     if both >= 0:
         return (both, both)
     return DEFAULT_THRESHOLDS[op] if measured is None else measured
+
+
+def available_bytes() -> Optional[int]:
+    """Free bytes in SHM_DIR, or None where there is no such directory (nothing to check). HPDL_SHM_AVAILABLE_BYTES
+    pretends a size (the tests' small-container case without a small container)."""
+    pretend = env_number("HPDL_SHM_AVAILABLE_BYTES", -1, int, "a number of bytes", allow_zero=True)
+    if pretend >= 0:
+        return pretend
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def fitting_segment(wanted: int, available: int, ranks: int) -> int:
+    """Staging bytes per rank: `wanted`, or each rank's share of half of `available` (whole cache lines) when that
+    is less; 0 when that share is under MIN_SEGMENT (and under `wanted`): then the engine does not start."""
+    share = max(available - _SPARE, 0) // 2 // max(ranks, 1) // 64 * 64
+    return wanted if wanted <= share else share if share >= MIN_SEGMENT else 0
+
+
+def short_of_shared_memory(available: int) -> str:
+    """What to say when SHM_DIR is too small for what hpdl would put there."""
+    return (
+        f"{SHM_DIR} has {available / 2**20:.0f} MB free (64 MB is a container's default): docker run --shm-size=2g "
+        "or --ipc=host gives more (Kubernetes: an emptyDir volume with medium: Memory mounted there)"
+    )
 
 
 def fused_threshold() -> int:
@@ -201,6 +238,7 @@ class NodeCollectives:
         timeout: Callable[[], float],
         describe: Callable[[], str],
         broken: Callable[[], None] = lambda: None,
+        segment: Optional[int] = None,
     ):
         from mpi4py import MPI
 
@@ -211,7 +249,10 @@ class NodeCollectives:
         self._timeout = timeout
         self._describe = describe
         self._broken = broken
-        self.segment = segment_bytes()
+        self.segment = segment if segment is not None else segment_bytes()
+        """Staging bytes per rank (HPDL_SHM_MB, or less where SHM_DIR is small: `fitting_segment`)."""
+        self.short_of_memory = ""
+        """Why the last `shared_buffer` came from ordinary memory, or ""."""
         self.piece = piece_bytes()
         self._flag_win = MPI.Win.Allocate_shared(8 * _FLAG_STRIDE, 8, comm=node)
         self._flag_win.Lock_all()
@@ -284,6 +325,20 @@ class NodeCollectives:
 
         self._sync("shared_buffer")  # bounded: allocating the window would wait for a missing rank forever
         itemsize = torch.empty(0, dtype=dtype).element_size()
+        free = available_bytes()
+        free = self.node.allreduce(free if free is not None else NEVER, op=MPI.MIN)  # (every rank is here: synced)
+        if max(numel * itemsize, 1) * self.local_size + _SPARE > free:  # the same answer on every rank of the node
+            self.short_of_memory = (
+                f"a shared buffer of {numel * itemsize / 2**20:.1f} MB per rank for {self.local_size} ranks does not "
+                f"fit: {short_of_shared_memory(free)}"
+            )
+            if self.local_rank == 0:
+                warnings.warn(
+                    f"hpdl: {self.short_of_memory}. It is ordinary memory instead: the collectives copy it in.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return torch.empty(numel, dtype=dtype)  # ordinary memory: the collectives copy it in, as any tensor
         win = MPI.Win.Allocate_shared(max(numel * itemsize, 1), 64, comm=self.node)
         peers = [view[: numel * itemsize].view(dtype) for view in _views(win, self.local_size)]
         self._buffers.append(SharedBuffer(win, peers))
