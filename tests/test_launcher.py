@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +91,24 @@ def test_rank_that_dies_mid_collective_ends_the_job(backend):
     assert elapsed < 30, output
 
 
+SIGNALED = """
+import os, signal, time
+print(f"rank {os.environ['PMI_RANK']} started at {time.time():.3f}", flush=True)
+if os.environ["PMI_RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGBUS)  # what touching a page past a full /dev/shm does
+"""
+
+
+def test_a_rank_killed_by_a_signal_is_said_with_its_traceback_and_fails_the_job(tmp_path):
+    """MPICH's forking launcher prints "signaled with Bus error" and exits 0: the job looked successful."""
+    script = tmp_path / "signaled.py"
+    script.write_text(SIGNALED)
+    code, output, _ = launch("-n", "2", str(script))
+    assert code == 128 + signal.SIGBUS, output
+    assert "rank 1 died of SIGBUS" in output and "Fatal Python error: Bus error" in output, output
+    assert 'signaled.py", line 5 in <module>' in output and "/dev/shm" in output, output
+
+
 def test_gloo_job_without_finalize_exits_cleanly():
     # torch 2.13 + gloo aborts at exit unless the group is torn down after a barrier.
     for _ in range(3):
@@ -115,6 +134,7 @@ def test_info_reports_versions_backends_and_launcher():
     assert "GPU" in info["cuda"]["mpi backend GPU path"]
     assert "THP_MEM_ALLOC_ENABLE" in info["memory"]["torch tensors >= 2 MB on huge pages"]
     assert "built-in" in info["shm thresholds"] and "hpdl tune" in info["shm thresholds"]  # conftest: file off
+    assert re.fullmatch(r"\d+ MB free in /dev/shm|little: .*--shm-size.*", info["shared memory for windows"]), info
     text = subprocess.run(HPDL + ["info"], capture_output=True, text=True, timeout=60).stdout
     assert "mpi library:" in text and "launcher:" in text
 

@@ -6,7 +6,9 @@ therefore starts each rank as `python -m hpdl.runtime.run_rank script.py ...`,
 which turns a non-zero `SystemExit` into `MPI_Abort` with that code, and
 tells `finalize` not to wait at the exit barrier for ranks that will never
 come (on torch the launcher stops the others). It first takes over the
-stdout and stderr the launcher handed it (`hpdl.runtime.rank_output`).
+stdout and stderr the launcher handed it (`hpdl.runtime.rank_output`), and
+under MPICH's forking launcher reports a fatal signal to it
+(`hpdl.runtime.rank_faults`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import runpy
 import sys
 
 from hpdl.runtime.environment import STORE_FD
+from hpdl.runtime.rank_faults import watch
 from hpdl.runtime.rank_output import adopt
 
 __all__: list[str] = []
@@ -24,6 +27,7 @@ __all__: list[str] = []
 
 def main() -> None:
     adopt()  # before anything prints
+    watch()  # a fatal signal (SIGBUS, SIGSEGV) reaches the launcher with its traceback
     # Ranks run with `python -u`, where print() writes its text and its newline in two calls: ranks that
     # share one terminal would splice lines together. Line buffering writes each line in one call.
     for stream in (sys.stdout, sys.stderr):

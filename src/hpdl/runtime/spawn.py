@@ -31,6 +31,7 @@ import time
 from typing import IO, Any, Optional, Sequence
 
 from hpdl.runtime.environment import STORE_FD, loopback_interface
+from hpdl.runtime.rank_faults import RANK_FAULT_FDS, RankFaults
 from hpdl.runtime.rank_output import RANK_OUTPUT_FDS, rank_outputs
 
 __all__ = [
@@ -144,6 +145,9 @@ def run(
     for pump in pumps:
         pump.join(timeout=GRACE_SECONDS)
     for child in children:
+        faults = getattr(child, "hpdl_faults", None)
+        if faults is not None:
+            code = faults.settle(code, name, GRACE_SECONDS)
         if getattr(child, "hpdl_forker", False):
             remove_forker_segments(child.pid)  # left behind where ranks were killed
     return code
@@ -265,9 +269,12 @@ def _spawn_mpi(
     pipe = subprocess.PIPE if tag_output and flavour == "gforker" else None
     pumps: list[threading.Thread] = []
     fds: tuple[int, ...] = ()
+    faults = None
     if flavour == "gforker":  # its relay drops a rank's output at the first non-ASCII byte
         outputs = rank_outputs(nprocs, _tag_lines if tag_output else None)
         env, fds, pumps = {**env, RANK_OUTPUT_FDS: outputs.value}, outputs.fds, outputs.pumps
+        faults = RankFaults(nprocs)  # it exits 0 when a signal killed a rank
+        env, fds = {**env, RANK_FAULT_FDS: faults.value}, fds + faults.fds
     # Its own process group, so that stopping the job reaches every rank, not only the launcher.
     try:
         child = subprocess.Popen(argv + command, env=env, stdout=pipe, stderr=pipe, pass_fds=fds, **_process_group(0))
@@ -275,6 +282,7 @@ def _spawn_mpi(
         for fd in fds:
             os.close(fd)
     child.hpdl_group = True  # type: ignore[attr-defined]
+    child.hpdl_faults = faults  # type: ignore[attr-defined]
     if flavour == "gforker":
         remove_forker_segments(child.pid)  # a dead job's, whose launcher had this pid
         child.hpdl_forker = True  # type: ignore[attr-defined]
