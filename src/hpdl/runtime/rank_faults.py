@@ -103,3 +103,10 @@ def watch(env: MutableMapping[str, str] = os.environ) -> None:
     sink = os.fdopen(mine, "w")
     _WATCHING.append(sink)
     faulthandler.enable(file=sink, all_threads=True)
+    os.register_at_fork(after_in_child=_forget)  # a forked child (a DataLoader worker) is not the rank
+
+
+def _forget() -> None:
+    if _WATCHING:
+        faulthandler.disable()
+        _WATCHING.pop().close()
