@@ -17,6 +17,26 @@ __all__ = ["RankError"]
 
 BACKENDS = ("self", "mpi", "torch")
 
+SHM_NEEDED = 1 << 30
+"""Free bytes in /dev/shm the suite needs: it runs up to some 40 MPI ranks at once (two workers' rank pools and
+the jobs tests start), MPICH keeps about 5 MB of /dev/shm per rank and hpdl's windows more, and a rank that
+touches a page past a full /dev/shm dies of SIGBUS, MPI_Init included. In a default container (64 MB) that
+failed 61 tests in 10 minutes; now the run stops at once and says why."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller has checked
+        return
+    from hpdl.comm import shm
+
+    free = shm.available_bytes()
+    if free is not None and free < SHM_NEEDED:
+        pytest.exit(
+            f"the test suite needs {SHM_NEEDED >> 20} MB free in {shm.SHM_DIR} (MPI keeps shared memory there); "
+            f"{shm.short_of_shared_memory(free)}",
+            returncode=1,
+        )
+
 
 class SelfPool:
     """The `self` backend runs bodies in the pytest process itself."""
