@@ -17,11 +17,11 @@ __all__ = ["RankError"]
 
 BACKENDS = ("self", "mpi", "torch")
 
-SHM_NEEDED = 1 << 30
+SHM_NEEDED = 512 << 20
 """Free bytes in /dev/shm the suite needs: it runs up to some 40 MPI ranks at once (two workers' rank pools and
-the jobs tests start), MPICH keeps about 5 MB of /dev/shm per rank and hpdl's windows more, and a rank that
-touches a page past a full /dev/shm dies of SIGBUS, MPI_Init included. In a default container (64 MB) that
-failed 61 tests in 10 minutes; now the run stops at once and says why."""
+the jobs tests start), MPICH keeps about 5 MB of /dev/shm per rank and hpdl's windows more (a whole run peaked
+at about 300 MB here), and a rank that touches a page past a full /dev/shm dies of SIGBUS, MPI_Init included.
+In a default container (64 MB) that failed 61 tests in 10 minutes; now the run stops at once and says why."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
