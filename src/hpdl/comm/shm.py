@@ -339,6 +339,7 @@ class NodeCollectives:
                     stacklevel=3,
                 )
             return torch.empty(numel, dtype=dtype)  # ordinary memory: the collectives copy it in, as any tensor
+        self.short_of_memory = ""
         win = MPI.Win.Allocate_shared(max(numel * itemsize, 1), 64, comm=self.node)
         peers = [view[: numel * itemsize].view(dtype) for view in _views(win, self.local_size)]
         self._buffers.append(SharedBuffer(win, peers))
