@@ -71,16 +71,14 @@ class RankFaults:
         for thread in self._threads:
             thread.join(timeout=grace)
         died = [(rank, text.decode(errors="replace")) for rank, text in enumerate(self.texts) if text.strip()]
-        for rank, text in died:
-            kind = _signal_of(text)
-            hint = _HINTS.get(kind) if kind is not None else None
+        kinds = [_signal_of(text) for _, text in died]
+        for (rank, text), kind in zip(died, kinds):
             what = signal.Signals(kind).name if kind is not None else "a fatal error"
             print(f"{name}: rank {rank} died of {what}:\n{text.rstrip()}", file=sys.stderr, flush=True)
-            if hint:
-                print(f"{name}: {hint}", file=sys.stderr, flush=True)
+            if kind in _HINTS:
+                print(f"{name}: {_HINTS[kind]}", file=sys.stderr, flush=True)
         if died and code == 0:
-            kind = _signal_of(died[0][1])
-            return 128 + (kind if kind is not None else signal.SIGABRT)
+            return 128 + (kinds[0] if kinds[0] is not None else int(signal.SIGABRT))
         return code
 
 
