@@ -129,7 +129,9 @@ def test_initialize_client_error_shuts_every_rank_down() -> None:
     # the client's MPI_Abort(1) after the cluster shut down (or mpiexec's 9 when it had to kill a rank still leaving)
     assert done.returncode not in (0, 124), _explain(done)
     assert "RuntimeError: the client script failed on purpose" in done.stderr
-    assert "Scheduler closing" in done.stderr  # the cluster was shut down, not killed
+    # the cluster was shut down, not killed: the scheduler's close() began (its first line; the later "Scheduler
+    # closing all comms" can be cut off when mpiexec kills a rank still leaving: seen once in CI)
+    assert "Closing scheduler. Reason:" in done.stderr
 
 
 def test_scheduler_file_serves_a_client_outside_the_job(tmp_path: Path) -> None:
