@@ -186,12 +186,13 @@ class GemsPipeline(Pipeline):
         """(this rank's, its partner's) flat gradient buffers [copy of replica A | copy of replica B] in shared
         memory, when every pair of partners shares a node and every copy's parameters are of one CPU float dtype;
         else None (the gradients then travel as messages). Collective over the pipeline's ranks."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = [p for copy in _trainable(self) for p in copy]
         kinds = {(p.dtype, p.device.type) for p in params}
         if not kinds:  # no gradients on this rank: agrees with any dtype
             low, high = len(_DTYPES), -1
-        elif len(kinds) == 1 and next(iter(kinds))[1] == "cpu" and next(iter(kinds))[0] in _DTYPES:
-            low = high = _DTYPES.index(next(iter(kinds))[0])
+        elif kinds <= {(dtype, "cpu") for dtype in _DTYPES} and len(kinds) == 1:
+            ((dtype, _),) = kinds
+            low = high = _DTYPES.index(dtype)
         else:  # mixed dtypes, or not on the CPU: no rank takes the shared path
             low, high = -1, len(_DTYPES)
         probe = self.comm.shared_buffer(1, torch.float32)  # (starts the node's shared memory on every rank)
@@ -313,7 +314,7 @@ class GemsPipeline(Pipeline):
     def gradient_exchange(self) -> str:
         """How the two copies of this rank's stages are summed: "shared memory" (the partner's window is read
         and written here), "messages" (sent to the partner), or "local" (one rank: it holds both copies)."""
-        if self.partner == self.stage and self.stages == 1:
+        if self.stages == 1:
             return "local"
         return "shared memory" if self._shared_grads is not None else "messages"
 
@@ -344,10 +345,7 @@ class _Exchange:
 
     def __init__(self, pipe: GemsPipeline):
         self.pipe = pipe
-        self.params = (
-            [p for p in pipe.layers.parameters() if p.requires_grad],
-            [p for p in pipe.mirror_layers.parameters() if p.requires_grad],
-        )
+        self.params = _trainable(pipe)
         self.mine: list[Optional[torch.Tensor]] = [None, None]
         self.works: list = []
         self.inbox: list[Optional[torch.Tensor]] = [None, None]
@@ -420,10 +418,7 @@ class _SharedExchange:
 
     def __init__(self, pipe: GemsPipeline, mine: torch.Tensor, theirs: torch.Tensor):
         self.pipe = pipe
-        self.params = (
-            [p for p in pipe.layers.parameters() if p.requires_grad],
-            [p for p in pipe.mirror_layers.parameters() if p.requires_grad],
-        )
+        self.params = _trainable(pipe)
         n_a, n_b = _numel(self.params[0]), _numel(self.params[1])
         self.total = mine[: n_a + n_b]
         self.regions = (mine[:n_a], mine[n_a : n_a + n_b])
@@ -489,6 +484,14 @@ def _halves(value: Any, what: str) -> tuple[Any, Any]:
         raise PipelineError(f"schedule='gems' splits the batch between two replicas: {what} needs at least 2 rows")
     first, second = microbatch.split(value, 2, what)
     return first, second
+
+
+def _trainable(pipe: GemsPipeline) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The parameters with gradients of this rank's copy of replica A's stage, and of replica B's."""
+    return (
+        [p for p in pipe.layers.parameters() if p.requires_grad],
+        [p for p in pipe.mirror_layers.parameters() if p.requires_grad],
+    )
 
 
 def _numel(tensors: Sequence[torch.Tensor]) -> int:
