@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
 
@@ -16,6 +17,8 @@ from rankpool import RankError, RankPool  # noqa: E402
 __all__ = ["RankError"]
 
 BACKENDS = ("self", "mpi", "torch")
+STARTED = pytest.StashKey[float]()
+"""When the run began (the controller's): the files killed jobs left in /dev/shm since then are removed at its end."""
 
 SHM_NEEDED = 512 << 20
 """Free bytes in /dev/shm the suite needs: it runs up to some 40 MPI ranks at once (two workers' rank pools and
@@ -29,6 +32,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from hpdl.comm import shm
 
+    config.stash[STARTED] = time.time()
+
     free = shm.available_bytes()
     if free is not None and free < SHM_NEEDED:
         pytest.exit(
@@ -36,6 +41,23 @@ def pytest_configure(config: pytest.Config) -> None:
             f"{shm.short_of_shared_memory(free)}",
             returncode=1,
         )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove the MPI segment files the run's killed jobs left in /dev/shm (tests kill rank pools and ranks on
+    purpose; each such job leaves 2-3 MB there until reboot), and say how much."""
+    started = session.config.stash.get(STARTED, None)
+    if started is None:  # an xdist worker: the controller sweeps once every worker is done
+        return
+    from hpdl.runtime import shm_leftovers
+
+    found = shm_leftovers.leftovers(since=started)
+    freed = shm_leftovers.remove(found)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if found and reporter is not None:
+        reporter.ensure_newline()
+        size = f"{freed / 1e6:.0f} MB"
+        reporter.write_line(f"removed {len(found)} MPI segment files ({size}) that killed jobs left in /dev/shm")
 
 
 class SelfPool:

@@ -238,6 +238,61 @@ def test_a_dead_jobs_shared_memory_is_removed_by_the_launcher_that_reuses_its_pi
     assert os.listdir(left) == ["mpich_shm_1234abcd_0"]
 
 
+SEGMENTS_JOB = """
+import os, signal, sys, time
+from mpi4py import MPI
+MPI.COMM_WORLD.Barrier()
+maps = sorted({line.split()[-1] for line in open('/proc/self/maps') if '/dev/shm/mpich_shm_' in line})
+report, end = sys.argv[1], sys.argv[2]
+if MPI.COMM_WORLD.rank == 0:
+    with open(report + '.part', 'w') as out:
+        print(repr(maps), file=out)
+    os.rename(report + '.part', report)
+MPI.COMM_WORLD.Barrier()
+if end == 'killed':
+    os.kill(os.getpid(), signal.SIGKILL)  # as a failure, a timeout or a test's teardown ends a job
+deadline = time.monotonic() + 60
+while not os.path.exists(end) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def _job_segments(report, deadline: float) -> list[str]:
+    while not report.exists():
+        assert time.monotonic() < deadline, "the job did not say which segment files it maps"
+        time.sleep(0.05)
+    return list(ast.literal_eval(report.read_text()))
+
+
+def test_the_segment_files_a_killed_job_leaves_in_dev_shm_are_found_and_a_running_jobs_are_not(tmp_path):
+    """MPICH keeps a job's node segment in /dev/shm until its ranks finalise: a killed job's stays (2-3 MB until
+    reboot; the suite left some 23 MB per run). `shm_leftovers` finds such files by nothing using them."""
+    from hpdl.runtime import shm_leftovers
+    from hpdl.runtime.spawn import find_mpiexec
+
+    script, release = tmp_path / "segments.py", tmp_path / "release"
+    script.write_text(SEGMENTS_JOB)
+    started, deadline = time.time(), time.monotonic() + 60
+    job = [find_mpiexec(), "-n", "2", sys.executable, str(script)]
+    running = subprocess.Popen([*job, str(tmp_path / "running.txt"), str(release)])
+    try:
+        live = _job_segments(tmp_path / "running.txt", deadline)
+        killed = subprocess.run([*job, str(tmp_path / "killed.txt"), "killed"], capture_output=True, timeout=60)
+        assert killed.returncode != 0, killed
+        dead = _job_segments(tmp_path / "killed.txt", deadline)
+        assert live and dead and all(os.path.exists(path) for path in live + dead), (live, dead)
+        found = shm_leftovers.leftovers(since=started, settle=0)
+        assert set(dead) <= set(found) and not set(live) & set(found), (live, dead, found)
+        sweep = [sys.executable, "-m", "hpdl.runtime.shm_leftovers", "--settle", "0"]
+        swept = subprocess.run(sweep, capture_output=True, text=True, timeout=60)
+        assert swept.returncode == 0 and "removed" in swept.stdout, swept.stdout + swept.stderr
+        assert not any(os.path.exists(path) for path in dead) and all(os.path.exists(path) for path in live)
+    finally:
+        release.touch()
+        assert running.wait(timeout=60) == 0
+    assert not any(os.path.exists(path) for path in live)  # finalised: MPICH removed its own
+
+
 def test_ranks_put_large_torch_tensors_on_huge_pages_unless_the_caller_chose():
     """Without it every step's fresh activations cost a page fault per 4 KB (kernel time > compute at 2048^2)."""
     from hpdl.runtime import spawn
