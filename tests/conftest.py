@@ -55,9 +55,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     freed = shm_leftovers.remove(found)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if found and reporter is not None:
-        reporter.ensure_newline()
         size = f"{freed / 1e6:.0f} MB"
-        reporter.write_line(f"removed {len(found)} MPI segment files ({size}) that killed jobs left in /dev/shm")
+        reporter.write("\n")  # (after the progress line, which xdist leaves open)
+        reporter.write_sep("-", f"removed {len(found)} MPI segment files ({size}) that killed jobs left in /dev/shm")
 
 
 class SelfPool:

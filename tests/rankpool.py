@@ -55,6 +55,7 @@ class RankPool:
         self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=64)
         host, port = self._listener.address
         child_env = dict(os.environ, OMP_NUM_THREADS="1", HPDL_BACKEND=backend, **(env or {}))
+        child_env["GLIBC_TUNABLES"] = huge_page_heap(child_env.get("GLIBC_TUNABLES"))
         child_env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, child_env.get("PYTHONPATH", "")])
         command = [sys.executable, "-u", WORKER, host, str(port), key.hex()]
         self._log_path = os.path.join(_log_dir(), f"pool-{backend}-{nprocs}-{os.getpid()}-{time.time_ns()}.log")
@@ -176,6 +177,18 @@ class RankPool:
         self._listener.close()
         for log in self._logs:
             log.close()
+
+
+def huge_page_heap(tunables: Optional[str]) -> str:
+    """GLIBC_TUNABLES with the heap on transparent huge pages (glibc >= 2.35; older ones ignore it).
+
+    On the 2-core VMs the suite runs on, touching fresh memory costs 0.3-8 s per GiB in the kernel (page faults
+    that the hypervisor serves; about 0.1 s on bare metal), and `clear_page` under malloc was 40% of the CPU time of
+    a run of test_collectives.py. Its ranks on huge pages: 55-61 s -> 39 s. Only the pools' ranks: jobs that
+    allocate and free many blocks of under 2 MB (the benchmarks) ran slower with it."""
+    if tunables and "hugetlb" in tunables:
+        return tunables
+    return ":".join(filter(None, [tunables, "glibc.malloc.hugetlb=1"]))
 
 
 def _log_dir() -> str:
