@@ -1,19 +1,25 @@
 """One rank of a test pool (see rankpool.py): run bodies sent by the pytest process until told to exit."""
 
 import faulthandler
+import gc
 import os
 import pickle
 import sys
 import traceback
 from multiprocessing.connection import Client
 
-import hpdl
+gc.disable()  # (until hpdl.init is done: see main)
+import hpdl  # noqa: E402
 
 
 def main() -> None:
     faulthandler.enable()  # a rank that crashes (a signal, not an exception) leaves its stack in the pool's output
     host, port, key = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
     comm = hpdl.init()
+    # Every later full collection would walk torch's and hpdl's module objects again (their import ran a few
+    # more): they are set aside, and the bodies' own objects are collected as usual.
+    gc.freeze()
+    gc.enable()
     print(f"rank worker {comm.rank}: initialised ({comm.backend})", file=sys.stderr, flush=True)
     conn = Client((host, port), authkey=key)
     conn.send(comm.rank)
