@@ -184,8 +184,8 @@ def huge_page_heap(tunables: Optional[str]) -> str:
 
     On the 2-core VMs the suite runs on, touching fresh memory costs 0.3-8 s per GiB in the kernel (page faults
     that the hypervisor serves; about 0.1 s on bare metal), and `clear_page` under malloc was 40% of the CPU time of
-    a run of test_collectives.py. Its ranks on huge pages: 55-61 s -> 39 s. Only the pools' ranks: jobs that
-    allocate and free many blocks of under 2 MB (the benchmarks) ran slower with it."""
+    a run of test_collectives.py. Its ranks on huge pages: 55-61 s -> 39-49 s (runs vary by 10 s here). Only the
+    pools' ranks: jobs that allocate and free many blocks of under 2 MB (the benchmarks) ran slower with it."""
     if tunables and "hugetlb" in tunables:
         return tunables
     return ":".join(filter(None, [tunables, "glibc.malloc.hugetlb=1"]))
