@@ -111,9 +111,24 @@ def _mpi_info() -> dict[str, Any]:
         "mpi cuda-aware": cuda_aware(),
         "mpi shared-memory collectives": shared,
         "shared memory for windows": room,
+        "leftover MPI files in /dev/shm": _leftovers(),
         **_thresholds(library_version()),
         "mpi fast-path calls": mpi_calls.select()[1],
     }
+
+
+def _leftovers() -> str:
+    """The segment files that MPI jobs killed before MPI_Finalize left in /dev/shm (they hold it until reboot)."""
+    from hpdl.runtime import shm_leftovers
+
+    found = shm_leftovers.leftovers()
+    if not found:
+        return "none"
+    return (
+        f"{len(found)} file{'s' if len(found) > 1 else ''} ({shm_leftovers.held(found) / 1e6:.0f} MB) that killed "
+        "jobs left; nothing uses them: "
+        "`python -m hpdl.runtime.shm_leftovers` removes them"
+    )
 
 
 def _thresholds(mpi: str) -> dict[str, str]:

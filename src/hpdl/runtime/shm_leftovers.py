@@ -22,7 +22,7 @@ import os
 import time
 from typing import Optional, Sequence
 
-__all__ = ["PATTERNS", "SETTLE_SECONDS", "in_use", "leftovers", "remove"]
+__all__ = ["PATTERNS", "SETTLE_SECONDS", "held", "in_use", "leftovers", "remove"]
 
 SHM_DIR = "/dev/shm"
 PATTERNS = ("mpich_shm_*", "mpich_vci_*")
@@ -79,6 +79,17 @@ def leftovers(root: str = SHM_DIR, since: Optional[float] = None, settle: float 
         return []
     used = in_use(root)
     return sorted(path for path in candidates if path not in used)
+
+
+def held(paths: list[str]) -> int:
+    """The bytes `paths` hold (a file gone meanwhile counts nothing)."""
+    total = 0
+    for path in paths:
+        try:
+            total += os.stat(path).st_size
+        except OSError:
+            pass
+    return total
 
 
 def remove(paths: list[str]) -> int:
