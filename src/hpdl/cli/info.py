@@ -126,8 +126,7 @@ def _leftovers() -> str:
         return "none"
     return (
         f"{len(found)} file{'s' if len(found) > 1 else ''} ({shm_leftovers.held(found) / 1e6:.0f} MB) that killed "
-        "jobs left; nothing uses them: "
-        "`python -m hpdl.runtime.shm_leftovers` removes them"
+        "jobs left; nothing uses them: `python -m hpdl.runtime.shm_leftovers` removes them"
     )
 
 

@@ -96,12 +96,12 @@ def remove(paths: list[str]) -> int:
     """Unlink `paths`; return the bytes they held (a file already gone counts nothing)."""
     freed = 0
     for path in paths:
+        size = held([path])
         try:
-            size = os.stat(path).st_size
             os.unlink(path)
-            freed += size
         except OSError:
-            pass
+            continue
+        freed += size
     return freed
 
 
