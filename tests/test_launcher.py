@@ -295,9 +295,13 @@ def test_the_segment_files_a_killed_job_leaves_in_dev_shm_are_found_and_a_runnin
         assert live and dead and all(os.path.exists(path) for path in live + dead), (live, dead)
         found = shm_leftovers.leftovers(since=started, settle=0)
         assert set(dead) <= set(found) and not set(live) & set(found), (live, dead, found)
-        sweep = [sys.executable, "-m", "hpdl.runtime.shm_leftovers", "--settle", "0"]
-        swept = subprocess.run(sweep, capture_output=True, text=True, timeout=60)
-        assert swept.returncode == 0 and "removed" in swept.stdout, swept.stdout + swept.stderr
+        # The command lists; only this test's dead files are removed: with no settling time a sweep could take a
+        # segment another test's job is creating at this moment (settling is what keeps a real sweep off those).
+        listing = [sys.executable, "-m", "hpdl.runtime.shm_leftovers", "--dry-run", "--settle", "0"]
+        listed = subprocess.run(listing, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        assert set(dead) <= set(listed.stdout.split()) and not set(live) & set(listed.stdout.split()), listed.stdout
+        assert shm_leftovers.remove(dead) > 0
         assert not any(os.path.exists(path) for path in dead) and all(os.path.exists(path) for path in live)
     finally:
         release.touch()
