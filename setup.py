@@ -10,7 +10,9 @@ equivalent (`hpdl info` says which); the rest of the metadata is in pyproject.to
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +35,19 @@ def find_mpicc() -> str | None:
         return None
 
 
+def wrapper_library_dirs(mpicc: str) -> list[str]:
+    """The folders of the wrapper's own `-L` flags (MPICH: `-show`; Open MPI: `--showme:link`), or []."""
+    for flag in ("-show", "--showme:link"):
+        try:
+            line = subprocess.run([mpicc, flag], capture_output=True, text=True, timeout=60, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        found = [word[2:] for word in shlex.split(line) if word.startswith("-L") and len(word) > 2]
+        if found:
+            return found
+    return []
+
+
 class BuildOptional(build_ext):
     """The MPI module with the MPI wrapper, the others with the C compiler; a module that does not build leaves
     hpdl on its Python equivalent (mpi4py's calls, torch's copies), it does not fail the install."""
@@ -46,7 +61,11 @@ class BuildOptional(build_ext):
                     return
                 # Python's own flags (-fPIC, macOS's -bundle -undefined dynamic_lookup, ...) with the MPI wrapper
                 self.compiler.set_executable("compiler_so", [mpicc, *self.compiler.compiler_so[1:]])
-                self.compiler.set_executable("linker_so", [mpicc, *self.compiler.linker_so[1:]])
+                # The wrapper's library folders first: its own -L comes after Python's (LIBDIR, LDFLAGS), and where
+                # that folder holds another MPI's libmpi.so (a system Open MPI beside pip's mpich), -lmpi found that
+                # one and the module ran on another MPI instance than mpi4py's (seen on a GPU machine).
+                first = [f"-L{folder}" for folder in wrapper_library_dirs(mpicc)]
+                self.compiler.set_executable("linker_so", [mpicc, *first, *self.compiler.linker_so[1:]])
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: install without the module
             print(f"hpdl: {ext.name} not built ({exc}): its Python equivalent is used", file=sys.stderr)

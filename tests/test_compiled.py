@@ -14,6 +14,9 @@ pool with HPDL_COMPILED=0 runs the communicator on mpi4py's.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -375,3 +378,33 @@ def test_mid_size_reduce_scatter_window_leaves_the_fast_path_and_reads_its_setti
     assert windows["library"] == mpich and windows["gate"] == mpich[0]  # this suite runs on MPICH
     assert windows["0"] == (0, 0) and windows["1000:2000"] == (1000, 2000)
     assert "FROM <= TO" in windows["2000:1000"] and "must be FROM:TO" in windows["big"]
+
+
+def test_the_mpi_module_links_the_wrappers_libmpi_where_another_libmpi_is_found_first(tmp_path):
+    """A machine with a system MPI's development files (Open MPI's libmpi.so in Python's own library folder) and
+    pip's mpich: `-lmpi` found the system's library first and the module ran on another MPI instance than mpi4py's
+    (seen on a GPU machine, where the fast path then fell back to mpi4py). A decoy libmpi.so on the linker's path
+    ahead of the wrapper's own must not be the one linked."""
+    root = Path(__file__).resolve().parents[1]
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (tmp_path / "empty.c").write_text("int hpdl_decoy;\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler (the install builds hpdl's modules with it)"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", decoy / "libmpi.so", "-Wl,-soname,libdecoy_mpi.so", tmp_path / "empty.c"],
+        check=True,
+    )
+    built = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "-b", tmp_path / "lib", "-t", tmp_path / "obj"],
+        cwd=root,
+        env={**os.environ, "LDFLAGS": f"-L{decoy}"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    module = next((tmp_path / "lib" / "hpdl" / "comm").glob("_mpi_fast*.so"))
+    needed = subprocess.run(["readelf", "-d", module], capture_output=True, text=True, check=True).stdout
+    assert "libdecoy_mpi.so" not in needed
+    assert "[libmpi.so" in needed, needed

@@ -269,13 +269,24 @@ def ml_on_device(device: Any) -> list[tuple[str, str, str]]:
     results = []
     try:
         start = X[:16].copy()
-        on_host, host_s = timed(lambda: KMeans(16, init=start, n_init=1, max_iter=20, tol=0.0).fit(X))
+
+        def kmeans(data: Any) -> Any:
+            return KMeans(16, init=start, n_init=1, max_iter=20, tol=0.0).fit(data)
+
+        # The answers compared in float64: in float32, rows at a near-tie go to either centre depending on the
+        # order of the sums, and over 20 iterations the centres drift apart by ~1e-3 (both are right).
+        X64 = X.astype(np.float64)
+        exact_host, exact_dev = kmeans(X64), kmeans(to_device(X64))
+        drift = float(np.abs(exact_dev.cluster_centers_ - exact_host.cluster_centers_).max())
+        same = drift <= 1e-6 and abs(exact_dev.inertia_ - exact_host.inertia_) <= 1e-9 * exact_host.inertia_
+        _, host_s = timed(lambda: kmeans(X))
         Xd = to_device(X)
-        on_dev, dev_s = timed(lambda: KMeans(16, init=start, n_init=1, max_iter=20, tol=0.0).fit(Xd))
-        drift = float(np.abs(on_dev.cluster_centers_ - on_host.cluster_centers_).max())
-        same = drift <= 1e-3 and abs(on_dev.inertia_ - on_host.inertia_) <= 1e-4 * on_host.inertia_
-        detail = f"{kind}, {rows} x 32: {host_s * 1e3:.0f} ms NumPy, {dev_s * 1e3:.0f} ms device, {host_s / dev_s:.1f}x"
-        results.append(("ml K-Means", "PASS" if same else "FAIL", f"{detail}; centres within {drift:.1e}"))
+        _, dev_s = timed(lambda: kmeans(Xd))
+        detail = (
+            f"{kind}, {rows} x 32 float32: {host_s * 1e3:.0f} ms NumPy, {dev_s * 1e3:.0f} ms device, "
+            f"{host_s / dev_s:.1f}x; float64 centres within {drift:.1e}"
+        )
+        results.append(("ml K-Means", "PASS" if same else "FAIL", detail))
     except Exception as exc:
         results.append(("ml K-Means", "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
     try:

@@ -159,6 +159,15 @@ class _Compiled(Calls):
         return obj.handle
 
 
+def _mapped_mpi_libraries() -> list[str]:
+    """The MPI libraries this process has mapped (Linux), so that a mismatch says which two they are."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "/libmpi" in line})
+    except OSError:
+        return []
+
+
 _SELECTED: Optional[tuple[Calls, str]] = None
 
 
@@ -179,7 +188,11 @@ def compiled_calls() -> tuple[Optional[Calls], str]:
             "reinstall hpdl with that MPI's `mpicc` on PATH)"
         )
     if not _mpi_fast.initialized():
-        return None, "mpi4py (the compiled fast path sees another MPI library instance than mpi4py's)"
+        both = ", ".join(_mapped_mpi_libraries()) or "two copies of one"
+        return None, (
+            f"mpi4py (the compiled fast path was linked to another MPI library than mpi4py's; loaded: {both}; "
+            "reinstall hpdl: `pip install --force-reinstall --no-deps --no-build-isolation hpdl` links mpi4py's)"
+        )
     _mpi_fast.configure(MPI.Request.fromhandle, MPI.Exception)
     return _Compiled(_mpi_fast), "compiled (hpdl.comm._mpi_fast)"
 

@@ -81,6 +81,18 @@ def chunk_rows(n_features: int, n_centres: int, itemsize: int, most: int = 16384
     return int(min(most, max(256, rows)))
 
 
+DEVICE_CHUNK_BYTES = 256 << 20
+"""A chunk's bytes on a GPU: one chunk of 1M x 32 rows and 16 centres, where CPU-sized chunks launched ~1,500
+small kernels per Lloyd iteration (46 ms on an H200, slower than NumPy on 16 cores; measured by `hpdl bench gpu`)."""
+
+
+def tensor_chunk_rows(t: torch.Tensor, n_features: int, n_centres: int) -> int:
+    """`chunk_rows` for a tensor: cache-sized on the CPU, `DEVICE_CHUNK_BYTES` on a GPU (few large kernels)."""
+    if t.device.type == "cpu":
+        return chunk_rows(n_features, n_centres, t.element_size())
+    return max(256, DEVICE_CHUNK_BYTES // max(1, t.element_size() * (n_features + n_centres)))
+
+
 LLOYD_MAX_ROWS = 4096
 """Rows per Lloyd chunk at most: measured best on 500k x 32 x 16 float32 (the chunk and its k x rows distance
 block stay in L2 between the product and the pass that reads them back)."""
@@ -193,7 +205,9 @@ def lloyd_partial(
 
 
 def _lloyd_partial_torch(X: Any, xsq: Any, w: Any, centres: Any) -> tuple[Any, Any, float]:
-    """The same step in torch ops only (CPU tensors, or CUDA tensors for CuPy input): min, index_add_, bincount."""
+    """The same step in torch ops only (CPU tensors, or CUDA tensors for CuPy input): min, index_add_, bincount.
+
+    The sums accumulate in float64, as the NumPy path's do (float32 atomics over a million rows drifted 1.6e-3)."""
     Xt, xsqt = _t(X), _t(xsq)
     k, d = centres.shape
     dev = Xt.device
@@ -203,25 +217,22 @@ def _lloyd_partial_torch(X: Any, xsq: Any, w: Any, centres: Any) -> tuple[Any, A
     wt = None if w is None else _t(w)
     C = _t(centres).to(device=dev, dtype=Xt.dtype)
     ct, csq = (-2.0 * C).T.contiguous(), (C * C).sum(1)
-    step = chunk_rows(d, k, Xt.element_size())
-    part = torch.zeros((k, d), dtype=Xt.dtype, device=dev)
+    step = tensor_chunk_rows(Xt, d, k)
     for s in range(0, Xt.shape[0], step):
         xc = Xt[s : s + step]
         dist = torch.addmm(csq, xc, ct)
         best, labels = dist.min(1)
         best += xsqt[s : s + step]
         best.clamp_(min=0)
-        part.zero_()
         if wt is None:
-            part.index_add_(0, labels, xc)
+            sums.index_add_(0, labels, xc.to(torch.float64))
             counts += torch.bincount(labels, minlength=k)
             inertia += best.sum(dtype=torch.float64)
         else:
-            wc = wt[s : s + step]
-            part.index_add_(0, labels, xc * wc[:, None])
-            counts += torch.bincount(labels, weights=wc.to(torch.float64), minlength=k)
+            wc = wt[s : s + step].to(torch.float64)
+            sums.index_add_(0, labels, xc.to(torch.float64) * wc[:, None])
+            counts += torch.bincount(labels, weights=wc, minlength=k)
             inertia += (best.to(torch.float64) * wc).sum()
-        sums += part
     if isinstance(X, np.ndarray):
         return _np(sums), _np(counts), float(inertia)
     return sums, counts, float(inertia)
@@ -263,7 +274,7 @@ def _assign_torch(X: Any, xsq: Any, centres: Any) -> tuple[Any, Any]:
         xsqt = _t(xsq) if xsq is not None else (Xt * Xt).sum(1)
         C = _t(centres).to(device=Xt.device, dtype=Xt.dtype)
         ct, csq = (-2.0 * C).T.contiguous(), (C * C).sum(1)
-        step = chunk_rows(d, k, Xt.element_size())
+        step = tensor_chunk_rows(Xt, d, k)
         for s in range(0, n, step):
             dist = torch.addmm(csq, Xt[s : s + step], ct)
             best, lab = dist.min(1)
@@ -315,7 +326,7 @@ def _exact_inertia_torch(X: torch.Tensor, w: Any, centres: np.ndarray, labels: t
     lab = labels.to(device=X.device, dtype=torch.int64)
     wt = None if w is None else _t(w).to(device=X.device, dtype=torch.float64)
     acc = torch.zeros((), dtype=torch.float64, device=X.device)
-    step = chunk_rows(X.shape[1], 1, X.element_size())
+    step = tensor_chunk_rows(X, X.shape[1], 1)
     for s in range(0, X.shape[0], step):
         diff = X[s : s + step] - C[lab[s : s + step]]
         sq = (diff * diff).sum(1, dtype=torch.float64)
