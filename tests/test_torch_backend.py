@@ -50,6 +50,14 @@ def test_avg_and_premul_sum_scale_the_sum(pool):
             assert scattered == pytest.approx([v * 0.5 for v in scattered_sum], rel=1e-12), n
 
 
+def test_the_group_answers_torchs_questions_about_its_backend(pool):
+    """torch 2.14's batch_isend_irecv reads `group._get_backend(device).supports_coalescing` (uncaught): on a
+    Python group without a C++ backend that raised, and pipelining's sends failed."""
+    for answers, refused in pool.run(bodies.backend_capabilities):
+        assert answers == [("hpdl", False, False)] * 3
+        assert refused == "No backend type associated with device type meta"
+
+
 def test_async_point_to_point_and_objects_equal_gloo(pool):
     for mine, theirs in zip(pool.run(bodies.async_and_objects, "hpdl"), pool.run(bodies.async_and_objects, "gloo")):
         _same(mine, theirs)

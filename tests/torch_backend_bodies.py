@@ -139,6 +139,21 @@ def hpdl_only_reductions(comm: Any) -> dict:
     return out
 
 
+def backend_capabilities(comm: Any) -> tuple:
+    """What torch's Python code reads through `group._get_backend(device)` (torch 2.14's batch_isend_irecv)."""
+    group = groups()["hpdl"]
+    answers = []
+    for device in ("cpu", torch.device("cpu"), "cuda:0"):
+        backend = group._get_backend(device)
+        answers.append((backend.name(), backend.supports_coalescing, backend.supports_tensor_alloc(device)))
+    try:
+        group._get_backend("meta")
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return answers, refused
+
+
 def async_and_objects(comm: Any, name: str) -> dict:
     """async_op with wait() and get_future(), coalesced calls, point-to-point, barrier and the object collectives."""
     g = groups()[name]

@@ -23,7 +23,41 @@ from hpdl.interop.torch_backend import ops
 from hpdl.interop.torch_backend.progress import Started, progress
 from hpdl.interop.torch_backend.work import HpdlWork
 
-__all__ = ["HpdlProcessGroup"]
+__all__ = ["HpdlProcessGroup", "BackendCapabilities"]
+
+SERVED_DEVICES = ("cpu", "cuda")
+"""The device types whose tensors the group takes (CUDA ones through CUDA-aware MPI or staged via the host)."""
+
+
+class BackendCapabilities:
+    """What `group._get_backend(device)` answers for an hpdl group: the capability flags torch's Python code reads
+    before it picks a path. A Python group has no C++ backend registered, so torch's own `_get_backend` raised
+    "No backend type associated with device type cpu", and torch 2.14's `batch_isend_irecv` (which
+    torch.distributed.pipelining uses) asks it for `supports_coalescing` without catching that. hpdl's group does
+    every operation itself: none of NCCL's extras (coalescing managers, splitting, shrinking, its allocator)."""
+
+    supports_coalescing = False
+    supports_splitting = False
+    supports_shrinking = False
+    supports_time_estimate = False
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def name(self) -> str:
+        return "hpdl"
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<hpdl backend capabilities, rank {self._rank} of {self._size}>"
 
 
 class HpdlProcessGroup(dist.ProcessGroup):
@@ -39,10 +73,17 @@ class HpdlProcessGroup(dist.ProcessGroup):
         self.global_ranks = global_ranks
         self._group_name = ""
         self._group_desc = ""
+        self._capabilities = BackendCapabilities(comm.rank, comm.size)
 
     # identity -------------------------------------------------------------------------
     def getBackendName(self) -> str:
         return "hpdl"
+
+    def _get_backend(self, device: Any) -> BackendCapabilities:
+        kind = torch.device(device).type
+        if kind not in SERVED_DEVICES:
+            raise RuntimeError(f"No backend type associated with device type {kind}")  # torch's own words
+        return self._capabilities
 
     # torch names every group (functional collectives find it by name); a backend-less Python group keeps it
     def setGroupName(self, name: str) -> None:
