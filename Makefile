@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard src/hpdl/comm/*.c) requirements-dev
 	@$(BIN)/python -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 14))' || { \
 	  echo "make: $(VENV) has Python $$($(BIN)/python -c 'import platform; print(platform.python_version())'); the pinned test environment (torch 2.13) exists for Python 3.10 to 3.14 only." >&2; \
 	  echo "      Remove $(VENV) and run again with one of those, e.g.: rm -rf $(VENV); make test PYTHON=python3.12" >&2; \
-	  echo "      (hpdl itself installs on any Python >= 3.9 with 'pip install .'; its torch.distributed backend needs torch >= 2.13.)" >&2; \
+	  echo "      (hpdl itself installs on any Python >= 3.9 with 'pip install .'; its torch.distributed backend needs torch >= 2.11.)" >&2; \
 	  exit 1; }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements-dev.txt

@@ -15,6 +15,7 @@ import torch
 
 import torch_backend_bodies as bodies
 from conftest import RankError
+from hpdl.runtime.environment import torch_release
 
 POOL_ENV = {"HPDL_TEST_POOL": "torch-backend"}
 """A pool of its own: these ranks hold a torch.distributed default group that other tests must not see."""
@@ -46,6 +47,9 @@ def test_avg_and_premul_sum_scale_the_sum(pool):
     for result in pool.run(bodies.hpdl_only_reductions):
         for n, (avg, premul, total, scattered, scattered_sum) in result.items():
             assert avg == pytest.approx([v / pool.nprocs for v in total], rel=1e-12), n
+            if isinstance(premul, str):  # torch 2.11/2.12: the factor is not readable, a clear error instead
+                assert "does not show the op's factor to Python" in premul and torch_release() < (2, 13), premul
+                continue
             assert premul == pytest.approx([v * 0.25 for v in total], rel=1e-12), n
             assert scattered == pytest.approx([v * 0.5 for v in scattered_sum], rel=1e-12), n
 
@@ -174,9 +178,9 @@ def test_a_torch_older_than_the_backend_is_named_not_failed(monkeypatch):
     from hpdl.interop.torch_backend.factory import unavailable
 
     assert unavailable() == ""  # the pinned torch
-    for old in ("2.4.1+cu121", "2.12.0"):
+    for old in ("2.4.1+cu121", "2.10.0"):
         monkeypatch.setattr(torch, "__version__", old)
-        assert unavailable() == f"the hpdl torch.distributed backend needs torch >= 2.13 (this is {old})"
+        assert unavailable() == f"the hpdl torch.distributed backend needs torch >= 2.11 (this is {old})"
     monkeypatch.setattr(torch, "__version__", "2.14.0a0+git1234")
     assert unavailable() == ""
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.futures import collect_all  # (before any hpdl group exists, as a user's module may import it)
 
 import hpdl  # noqa: F401  (registers the backend)
+from hpdl.runtime.environment import torch_release
 
 _GROUPS: dict[str, Any] = {}
 
@@ -110,7 +111,12 @@ def collectives(comm: Any, name: str) -> dict:
             dist.all_to_all_single(result, source, recv_rows, send_rows, group=g)
             out[("all_to_all_single", "uneven", *key)] = result
             outs = [torch.empty(n, dtype=dtype) for _ in range(size)]
-            dist.all_to_all(outs, [c.clone() for c in chunks], group=g)
+            if name == "gloo" and torch_release() < (2, 13):  # gloo had no list all_to_all: the same exchange
+                flat = torch.empty(n * size, dtype=dtype)
+                dist.all_to_all_single(flat, torch.cat([c.clone() for c in chunks]), group=g)
+                outs = [flat[i * n : (i + 1) * n] for i in range(size)]
+            else:
+                dist.all_to_all(outs, [c.clone() for c in chunks], group=g)
             out[("all_to_all", *key)] = torch.stack(outs)
     return {k: v.contiguous() for k, v in out.items()}  # (tensors: lists of the large ones took seconds)
 
@@ -124,9 +130,16 @@ def hpdl_only_reductions(comm: Any) -> dict:
         avg = x.clone()
         dist.all_reduce(avg, op=dist.ReduceOp.AVG)
         premul = x.clone()
-        dist.all_reduce(premul, op=dist._make_nccl_premul_sum(0.25))
         total = x.clone()
         dist.all_reduce(total, group=g)
+        if not hasattr(dist._make_nccl_premul_sum(0.25), "factor"):  # torch < 2.13: the op's factor is hidden
+            try:
+                dist.all_reduce(premul, op=dist._make_nccl_premul_sum(0.25))
+                out[n] = (avg.tolist(), "no error", total.tolist(), None, None)
+            except ValueError as exc:
+                out[n] = (avg.tolist(), str(exc), total.tolist(), None, None)
+            continue
+        dist.all_reduce(premul, op=dist._make_nccl_premul_sum(0.25))
         scattered = torch.empty(n, dtype=torch.float64)
         dist.reduce_scatter_tensor(
             scattered,

@@ -30,8 +30,9 @@ class LaunchError(RuntimeError):
 _meeting: Any = None
 """A duplicate of MPI_COMM_WORLD (made with the default group) on which a new sub-group's members meet."""
 
-MIN_TORCH = (2, 13)
-"""The oldest torch the backend was tested on (the pybind method names of Python process groups changed often)."""
+MIN_TORCH = (2, 11)
+"""The oldest torch the backend was tested on (2.11.0, 2.13.0 and 2.14.1; the pybind method names of Python process
+groups changed often before). On 2.11 and 2.12 a PREMUL_SUM's factor is not readable from Python: an error."""
 
 
 def unavailable() -> str:

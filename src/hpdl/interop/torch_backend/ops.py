@@ -47,7 +47,12 @@ def reduce_op(value: Any) -> Reduction:
     if plain is not None:
         return plain
     if kind == _RED.PREMUL_SUM:
-        factor = value.factor
+        factor = getattr(value, "factor", None)
+        if factor is None:
+            raise ValueError(
+                f"ReduceOp.PREMUL_SUM: torch {torch.__version__} does not show the op's factor to Python (2.13 "
+                "does), so the hpdl backend cannot apply it; multiply first and use ReduceOp.SUM, or upgrade torch"
+            )
         return Reduction("sum", float(factor.item() if isinstance(factor, torch.Tensor) else factor))
     if kind in _BITWISE:
         return Reduction("sum", bitwise=_BITWISE[kind])
