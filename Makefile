@@ -28,7 +28,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard src/hpdl/comm/*.c) requirements-dev
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements-dev.txt
 	$(BIN)/python -m pip install --quiet --no-compile --no-build-isolation --no-deps -e .
-	$(BIN)/python -m compileall -qq -j 0 -x '/tests?/' $(PURELIB) || true
+	$(BIN)/python -m compileall -qq -j 0 -x '/tests?/' $(PURELIB) src || true
+	@# numba's cache of hpdl.ml's loops, once: else every rank of a fresh checkout's first jobs compiles them (~9 s)
+	$(BIN)/python -c 'from hpdl.ml import kernels; kernels.warm_up()'
 	touch $(STAMP)
 
 demo: install

@@ -15,6 +15,7 @@ def rows(table: str) -> dict[tuple[str, str], str]:
 def test_gpu_check_dry_run_on_cpu(capsys):
     assert launch(["--device", "cpu", "--timeout", "120"]) == 0
     results = rows(capsys.readouterr().out)
+    assert results[("hpdl info", "mpi fast-path calls")] == "compiled (hpdl.comm._mpi_fast)", results
     for op in OPS:
         assert results[("mpi", op)].startswith("PASS cpu"), results
     for op in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "training step"):

@@ -55,6 +55,8 @@ def launch(argv: list[str]) -> int:
     info = collect()
     rows: list[list[str]] = [["hpdl info", "-", json.dumps({k: info[k] for k in ("torch", "cuda")}, default=str)]]
     rows.append(["hpdl info", "-", f"mpi library {info.get('mpi library')}, cuda-aware {info.get('mpi cuda-aware')}"])
+    # (on the first GPU machine the compiled calls had fallen back to mpi4py, which only this line showed)
+    rows.append(["hpdl info", "mpi fast-path calls", str(info.get("mpi fast-path calls"))])
     failed = False
     with tempfile.TemporaryDirectory() as folder:
         for backend, ranks in (("mpi", 2), ("torch", 1)):
