@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard src/hpdl/comm/*.c) requirements-dev
 	$(BIN)/python -m pip install --quiet --no-compile --no-build-isolation --no-deps -e .
 	$(BIN)/python -m compileall -qq -j 0 -x '/tests?/' $(PURELIB) src || true
 	@# numba's cache of hpdl.ml's loops, once: else every rank of a fresh checkout's first jobs compiles them (~9 s)
-	$(BIN)/python -c 'from hpdl.ml import kernels; kernels.warm_up()'
+	$(BIN)/python -m hpdl.ml.jit_cache
 	touch $(STAMP)
 
 demo: install

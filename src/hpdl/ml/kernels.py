@@ -65,20 +65,15 @@ USE_BOUNDS = True
 def warm_up() -> None:
     """Compile (or load from numba's cache) the fused loops for float32/float64, with and without weights.
 
-    A benchmark calls it before timing, so that JIT compilation is set-up time; `make install` calls it once, so
-    that the ranks of a fresh checkout's first runs load the cache instead of each compiling (~10 CPU-s apiece).
+    A benchmark calls it before timing, so that JIT compilation is set-up time (`hpdl.ml.jit_cache` also compiles
+    the Hamerly-bound loops, for `make install`).
     """
-    from hpdl.ml.kmeans import KMeans  # (a fit's later iterations compile the Hamerly-bound loops)
-
     for dtype in (np.float32, np.float64):
         X = np.ones((2, 2), dtype=dtype)
         for w in (None, np.ones(2)):
             lloyd_partial(X, row_sq_norms(X), w, X[:1].copy())
         assign(X, None, X[:1].copy())
         knn_block(X, row_sq_norms(X), X, 1, 0, "euclidean")
-        points = np.random.default_rng(0).normal(size=(64, 2)).astype(dtype)
-        for weights in (None, np.linspace(0.5, 1.5, 64)):
-            KMeans(3, n_init=1, max_iter=4, tol=0.0, random_state=0).fit(points, sample_weight=weights)
 
 
 def chunk_rows(n_features: int, n_centres: int, itemsize: int, most: int = 16384) -> int:
