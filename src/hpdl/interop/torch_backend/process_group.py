@@ -41,23 +41,15 @@ class BackendCapabilities:
     supports_shrinking = False
     supports_time_estimate = False
 
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
     def name(self) -> str:
         return "hpdl"
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
     def supports_tensor_alloc(self, device: Any) -> bool:
         return False
 
-    def __repr__(self) -> str:
-        return f"<hpdl backend capabilities, rank {self._rank} of {self._size}>"
+
+_CAPABILITIES = BackendCapabilities()
+"""The same answer for every group: nothing in it depends on the group."""
 
 
 class HpdlProcessGroup(dist.ProcessGroup):
@@ -73,7 +65,6 @@ class HpdlProcessGroup(dist.ProcessGroup):
         self.global_ranks = global_ranks
         self._group_name = ""
         self._group_desc = ""
-        self._capabilities = BackendCapabilities(comm.rank, comm.size)
 
     # identity -------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -83,7 +74,7 @@ class HpdlProcessGroup(dist.ProcessGroup):
         kind = torch.device(device).type
         if kind not in SERVED_DEVICES:
             raise RuntimeError(f"No backend type associated with device type {kind}")  # torch's own words
-        return self._capabilities
+        return _CAPABILITIES
 
     # torch names every group (functional collectives find it by name); a backend-less Python group keeps it
     def setGroupName(self, name: str) -> None:
