@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Callable, Optional
 
-from hpdl.runtime.spawn import STORE_FD, find_mpiexec, rank_environment, store_listener
+from hpdl.runtime.spawn import STORE_FD, mpiexec_argv, rank_environment, store_listener
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS_DIR, "rank_worker.py")
@@ -62,9 +62,7 @@ class RankPool:
         log = open(self._log_path, "w")
         self._logs = [log]
         if backend == "mpi":
-            self._procs = [
-                subprocess.Popen([find_mpiexec(), "-n", str(nprocs)] + command, env=child_env, stdout=log, stderr=log)
-            ]
+            self._procs = [subprocess.Popen(mpiexec_argv(nprocs) + command, env=child_env, stdout=log, stderr=log)]
         else:
             store, port_ = store_listener()  # rank 0's rendezvous store serves on it: no port race
             self._procs = []

@@ -34,11 +34,9 @@ def _env() -> dict[str, str]:
 
 
 def _mpiexec(n: int, *command: str, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:
-    from hpdl.runtime.spawn import find_mpiexec
+    from hpdl.runtime.spawn import mpiexec_argv
 
-    return subprocess.run(
-        [find_mpiexec(), "-n", str(n), *command], env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([*mpiexec_argv(n), *command], env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _explain(done: subprocess.CompletedProcess) -> str:

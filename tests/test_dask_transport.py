@@ -379,12 +379,12 @@ def script_main(path: str) -> None:
 # --------------------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from hpdl.runtime.spawn import find_mpiexec, job_environment
+    from hpdl.runtime.spawn import job_environment, mpiexec_argv
 
     path = tmp_path_factory.mktemp("dask_transport") / "observed.json"
     env = job_environment("mpi", 2)
     env.update(OMP_NUM_THREADS="1", HPDL_DASK_MPI_CHUNK=str(CHUNK))
-    command = [find_mpiexec(), "-n", "2", sys.executable, __file__, str(path)]
+    command = [*mpiexec_argv(2), sys.executable, __file__, str(path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     observed = dict(json.loads(path.read_text()))

@@ -16,6 +16,7 @@ import torch
 
 from conftest import RankError
 from hpdl.errors import CollectiveMismatchError, CommError
+from hpdl.runtime.spawn import local_mpiexec
 
 CALLS_AFTER = 16  # the default check period: the error comes at the latest this many calls later
 
@@ -120,7 +121,8 @@ def test_short_message_is_an_error_on_the_receiver(ranks):
 def test_broadcast_of_different_sizes_fails_the_receiver_at_once_and_the_check_names_both(ranks, n):
     (root_at_once, root_check), (other_at_once, other_check) = ranks("mpi", 2).run(broadcast_of_different_sizes, n)
     assert root_at_once == ""  # the root's data went out: MPI does not fail its call
-    assert "broadcast #" in other_at_once and "different sizes" in other_at_once, other_at_once
+    if local_mpiexec()[1] in ("gforker", "hydra"):  # on Open MPI a receiver of fewer bytes returns: the check says
+        assert "broadcast #" in other_at_once and "different sizes" in other_at_once, other_at_once
     for message in (root_check, other_check):
         assert f"broadcast(float32, root=0) on {4 * n} B" in message, message
         assert f"broadcast(float32, root=0) on {8 * n} B" in message, message

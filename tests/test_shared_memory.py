@@ -13,13 +13,13 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from collective_data import HIERARCHICAL, expected_reduce, make_input, ops_for
 from collective_data import SHM_FORCED as FORCED
+from hpdl.runtime.spawn import mpiexec_argv
 
 
 def zero_copy(comm, mixed):
@@ -382,8 +382,10 @@ def test_default_thresholds_agree_on_one_path(ranks):
 
 
 SETTINGS = """
-import sys
+import os, sys
 from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 0:  # set on one rank only (any launcher: no per-rank flags of one MPI)
+    os.environ.update(HPDL_SHM_MIN_ALLREDUCE="0", HPDL_SHM_PIECE_MB="1")
 import hpdl
 try:
     hpdl.init(timeout=30)
@@ -400,14 +402,14 @@ def test_ranks_that_read_different_path_settings_are_refused_at_init(tmp_path):
     The settings that choose a path are compared when the communicator is made."""
     script = tmp_path / "settings.py"
     script.write_text(SETTINGS)
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    one = [sys.executable, str(script), str(tmp_path)]
     started = time.monotonic()
     done = subprocess.run(
-        [mpiexec, "-n", "1", "-env", "HPDL_SHM_MIN_ALLREDUCE", "0", "-env", "HPDL_SHM_PIECE_MB", "1", *one, ":",
-         "-n", "1", *one],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
+        [*mpiexec_argv(2), sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     files = [tmp_path / f"rank{rank}.txt" for rank in range(2)]
     said = [file.read_text() if file.exists() else "(nothing)" for file in files]
     assert all(line.startswith("refused:") for line in said), (said, done.stdout, done.stderr)

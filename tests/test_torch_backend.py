@@ -215,10 +215,10 @@ def test_a_store_that_rank_0_cannot_open_fails_every_rank_at_once(tmp_path, call
     """Under plain mpiexec, rank 0 opens the rendezvous store before it tells the others its port: when it cannot,
     they hear why at once, instead of trying to connect for the whole timeout (60 s here, 30 minutes by default).
     The same for the backend's `init_process_group("hpdl")` and for `hpdl.init("torch")`."""
-    from hpdl.runtime.spawn import find_mpiexec
+    from hpdl.runtime.spawn import mpiexec_argv
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    command = [find_mpiexec(), "-n", "2", sys.executable, "-c", STORE_REFUSED, str(tmp_path), caller]
+    command = [*mpiexec_argv(2), sys.executable, "-c", STORE_REFUSED, str(tmp_path), caller]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (took_0, said_0), (took_1, said_1) = ((tmp_path / f"{r}.txt").read_text().split(" ", 1) for r in (0, 1))

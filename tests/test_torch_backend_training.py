@@ -18,7 +18,7 @@ import pytest
 
 import torch_backend_bodies as bodies
 import torch_backend_training as training
-from hpdl.runtime.spawn import find_mpiexec
+from hpdl.runtime.spawn import mpiexec_argv
 from test_torch_backend import POOL_ENV
 
 TOL = 1e-10
@@ -108,7 +108,7 @@ def test_plain_mpiexec_ddp_and_a_failing_rank_ends_the_job():
     env["PYTHONPATH"] = os.pathsep.join([TESTS, env.get("PYTHONPATH", "")])
     started = time.monotonic()
     done = subprocess.run(
-        [find_mpiexec(), "-n", "3", sys.executable, "-u", JOB, "raise"],
+        [*mpiexec_argv(3), sys.executable, "-u", JOB, "raise"],
         env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     output = done.stdout + done.stderr

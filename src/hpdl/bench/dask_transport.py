@@ -411,7 +411,7 @@ def worker(options: Options) -> int:
             benchmark="dask",
             quick=options.quick,
             world_ranks=RANKS,
-            mpi_library=MPI.Get_library_version().splitlines()[0].strip(),
+            mpi_library=MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
             distributed_version=distributed.__version__,
             window=options.window,
             sizes=list(options.sizes),

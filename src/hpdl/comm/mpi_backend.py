@@ -68,7 +68,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def library_version() -> str:
     """The MPI library's name and version from its own version text (for example 'MPICH 5.0.2')."""
-    first = MPI.Get_library_version().strip().splitlines()[0]
+    first = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]  # Open MPI's ends in a NUL
     return " ".join(first.replace("Version:", "").split())
 
 

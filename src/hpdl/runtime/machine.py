@@ -38,7 +38,7 @@ def describe(**extra: Any) -> dict[str, Any]:
         import mpi4py
         from mpi4py import MPI
 
-        text = MPI.Get_library_version().strip()
+        text = MPI.Get_library_version().replace("\x00", "").strip()  # Open MPI's ends in a NUL
         env["mpi_library_version"] = " ".join(text.splitlines()[0].split())
         env["mpi_library_version_full"] = text
         env["mpi_standard"] = "{}.{}".format(*MPI.Get_version())

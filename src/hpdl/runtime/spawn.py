@@ -18,6 +18,7 @@ made (UCX_NET_DEVICES, GLOO_SOCKET_IFNAME, ...) wins.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -40,6 +41,7 @@ __all__ = [
     "find_mpiexec",
     "job_environment",
     "local_mpiexec",
+    "mpiexec_argv",
     "rank_environment",
     "remove_forker_segments",
     "run",
@@ -49,18 +51,37 @@ __all__ = [
 GRACE_SECONDS = 5.0
 TIMED_OUT = 124
 INTERRUPTED = 130
-_OUTER_LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_OUTER_LAUNCH = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PRTE_LAUNCHED",  # Open MPI 5's launcher marks its ranks with these two
+    "OPAL_USER_PARAMS_GIVEN",
+)
+_OPEN_MPI_USER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+"""Open MPI's variables that are not a job's own: its launcher refuses root without them (containers run as root)."""
+_OPEN_MPI_JOB_MCA = (
+    "OMPI_MCA_num_procs",
+    "OMPI_MCA_initial_wdir",
+    "OMPI_MCA_cpu_type",
+    "OMPI_MCA_orte_",
+    "OMPI_MCA_ess",
+)
+"""The OMPI_MCA_ variables an Open MPI launcher gives its ranks; every other OMPI_MCA_ variable is the user's."""
 LOOPBACK_SETTINGS = (
     "UCX_NET_DEVICES",  # MPICH over UCX (the mpich wheel)
     "FI_TCP_IFACE",  # MPICH over libfabric
     "FI_SOCKETS_IFACE",
     "OMPI_MCA_btl_tcp_if_include",  # Open MPI
-    "OMPI_MCA_oob_tcp_if_include",
-    "PRTE_MCA_oob_tcp_if_include",
+    "OMPI_MCA_oob_tcp_if_include",  # (Open MPI 5's launcher refuses a loopback-only control channel: not set)
     "GLOO_SOCKET_IFNAME",  # torch.distributed's gloo
 )
 """Each names the interface its transport may listen on; a local job sets them all to loopback."""
-_RANK_LABEL = re.compile(r"^(\d+)>")
+_RANK_LABEL = re.compile(r"^(?:(\d+)>|\[\d+,(\d+)\]<std(?:out|err)>: ?)")
+"""gforker's `0>` and Open MPI's `[1,0]<stdout>: ` before a rank's line."""
 
 
 def find_mpiexec() -> str:
@@ -74,6 +95,17 @@ def find_mpiexec() -> str:
     return found
 
 
+def mpiexec_argv(nprocs: int) -> list[str]:
+    """`mpiexec -n N` for N ranks on this machine, with what its flavour needs to start more ranks than cores."""
+    mpiexec = find_mpiexec()
+    return [mpiexec, "-n", str(nprocs), *_oversubscribe(_mpiexec_flavour(mpiexec))]
+
+
+def _oversubscribe(flavour: str) -> list[str]:
+    """Open MPI counts cores as slots and refuses more ranks than that, where MPICH runs them."""
+    return ["--oversubscribe"] if flavour == "openmpi" else []
+
+
 def job_environment(backend: str, nprocs: int, base: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The ranks' environment: the backend chosen, no launcher variables of an outer job, hpdl importable.
 
@@ -82,22 +114,34 @@ def job_environment(backend: str, nprocs: int, base: Optional[dict[str, str]] = 
     page fault per 4 KB (a 2048 x 2048 CNN step: 1.1 million faults, 2.1 s of kernel time against 0.9 s of
     compute; with huge pages 15,000 faults and 0.3 s). A caller's setting wins for both.
     """
-    env = {
-        k: v
-        for k, v in (os.environ if base is None else base).items()
-        if not k.startswith(("PMI_", "PMIX_", "TORCHELASTIC_", "OMPI_")) and k not in _OUTER_LAUNCH
-    }
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not _outer_launch_variable(k)}
     env["HPDL_BACKEND"] = backend
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     loopback = loopback_interface()
     for name in LOOPBACK_SETTINGS:
         env.setdefault(name, loopback)
+    # Open MPI's TCP transport listens on every interface whatever it is told to use; local ranks meet in
+    # shared memory without it.
+    env.setdefault("OMPI_MCA_btl", "^tcp")
     import hpdl
 
     source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def _outer_launch_variable(name: str) -> bool:
+    """Whether `name` is a variable an outer job's launcher set for its ranks (which would confuse this job's).
+
+    Open MPI's own settings are the user's and stay: OMPI_MCA_* (a transport, a component left out) and
+    OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM), without which its launcher refuses to run as root, as in most containers.
+    """
+    if name in _OUTER_LAUNCH or name.startswith(("PMI_", "PMIX_", "TORCHELASTIC_")):
+        return True
+    if name.startswith("OMPI_MCA_"):
+        return name.startswith(_OPEN_MPI_JOB_MCA)
+    return name.startswith("OMPI_") and name not in _OPEN_MPI_USER_SETTINGS
 
 
 def rank_environment(env: dict[str, str], rank: int, size: int, address: str, port: int) -> dict[str, str]:
@@ -263,10 +307,10 @@ def _spawn_mpi(
     nprocs: int, command: list[str], env: dict[str, str], tag_output: bool
 ) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
     mpiexec, flavour = local_mpiexec()
-    argv = [mpiexec, "-n", str(nprocs)]
+    argv = [mpiexec, "-n", str(nprocs), *_oversubscribe(flavour)]
     if tag_output:
         argv += {"gforker": ["-l"], "hydra": ["-prepend-rank"], "openmpi": ["--tag-output"]}.get(flavour, [])
-    pipe = subprocess.PIPE if tag_output and flavour == "gforker" else None
+    pipe = subprocess.PIPE if tag_output and flavour in ("gforker", "openmpi") else None
     pumps: list[threading.Thread] = []
     fds: tuple[int, ...] = ()
     faults = None
@@ -336,6 +380,7 @@ def store_listener() -> tuple[socket.socket, int]:
     return listener, int(listener.getsockname()[1])
 
 
+@functools.cache
 def _mpiexec_flavour(mpiexec: str) -> str:
     try:
         text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20).stdout
@@ -356,8 +401,8 @@ def _tag_lines(source: IO[bytes], sink: IO[str], rank: int) -> None:
 
 
 def _relabel_lines(source: IO[bytes], sink: IO[str]) -> None:
-    """gforker labels lines `0>`; write them as `[0] ` like every other launcher here."""
+    """gforker labels lines `0>`, Open MPI `[1,0]<stdout>: `; write them as `[0] ` like Hydra and torch jobs."""
     for raw in iter(source.readline, b""):
-        sink.write(_RANK_LABEL.sub(r"[\1] ", raw.decode(errors="replace"), count=1))
+        sink.write(_RANK_LABEL.sub(lambda m: f"[{m.group(1) or m.group(2)}] ", raw.decode(errors="replace"), count=1))
         sink.flush()
     source.close()
