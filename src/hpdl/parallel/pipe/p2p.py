@@ -185,9 +185,12 @@ class Link:
                 works.append(self.comm.send(payload, peer, tag=TAG_ERROR, async_op=True))
             except Exception:  # the neighbour may be gone; its own error is then the one that counts
                 pass
+        # One bound for all of them, no longer than any other wait: a neighbour that left the step never takes
+        # a notice too large to go out eagerly (Open MPI's shared-memory limit is 4 KB; a traceback is more).
+        deadline = time.perf_counter() + min(FAILURE_NOTICE_SECONDS, self.comm.timeout)
         for work in works:
             try:
-                work.wait(timeout=FAILURE_NOTICE_SECONDS)
+                work.wait(timeout=max(0.0, deadline - time.perf_counter()))
             except Exception:
                 pass
 
