@@ -92,8 +92,22 @@ CASES = {
 }
 
 
+LIBNBC_TRUNCATION = (
+    "Open MPI's nonblocking collectives abort the rank on a truncated message ('NBC_Progress: an error 15 ... "
+    "aborting the schedule', then 'double free or corruption'; plain mpi4py too, 5.0.11) before hpdl's check runs: "
+    "HPDL_DEBUG=1 catches it before MPI is called"
+)
+
+
+def _truncates_on_open_mpi() -> None:
+    if local_mpiexec()[1] == "openmpi":
+        pytest.xfail(LIBNBC_TRUNCATION)
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_mismatch_is_an_error_within_the_check_period(ranks, kind):
+    if kind in ("allreduce size", "allgather sizes"):
+        _truncates_on_open_mpi()
     results = ranks("mpi", 2).run(mismatched, kind, expect_errors=True)
     for error in results:
         assert isinstance(error, RankError) and error.type_name == "CollectiveMismatchError", error
@@ -103,6 +117,7 @@ def test_mismatch_is_an_error_within_the_check_period(ranks, kind):
 
 
 def test_barrier_checks_and_the_ranks_keep_working(ranks):
+    _truncates_on_open_mpi()
     pool = ranks("mpi", 2)
     for error in pool.run(barrier_after_mismatch, expect_errors=True):
         assert isinstance(error, RankError) and error.type_name == "CollectiveMismatchError", error
