@@ -53,3 +53,18 @@ def test_slurm_allocation_without_srun_is_not_a_launch():
 def test_unknown_forced_backend_is_rejected():
     with pytest.raises(ValueError, match="HPDL_BACKEND='nccl'"):
         detect({"HPDL_BACKEND": "nccl"})
+
+
+def test_open_mpi_jobs_of_a_few_ranks_get_libnbcs_reduce_scatter_allgather_allreduce_unless_the_user_chose():
+    from hpdl.runtime.open_mpi import IALLREDUCE_ALGORITHM, UP_TO_RANKS, choose_defaults
+
+    for env, expected in (
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "3"),
+        ({"OMPI_COMM_WORLD_SIZE": str(UP_TO_RANKS)}, "3"),
+        ({"OMPI_COMM_WORLD_SIZE": str(UP_TO_RANKS + 1)}, None),  # its ring fallback for tiny messages
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
+        ({"OMPI_COMM_WORLD_SIZE": "2", IALLREDUCE_ALGORITHM: "1"}, "1"),
+        ({"PMI_SIZE": "2"}, None),  # MPICH
+    ):
+        choose_defaults(env)
+        assert env.get(IALLREDUCE_ALGORITHM) == expected, env

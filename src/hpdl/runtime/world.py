@@ -103,6 +103,9 @@ def is_initialized() -> bool:
 
 
 def _mpi_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
+    from hpdl.runtime import open_mpi
+
+    open_mpi.choose_defaults()  # before MPI starts
     from hpdl.comm.mpi_backend import MPI, MpiCommunicator
 
     comm = MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug, read_tuning=True)
