@@ -69,8 +69,11 @@ _OPEN_MPI_JOB_MCA = (
     "OMPI_MCA_cpu_type",
     "OMPI_MCA_orte_",
     "OMPI_MCA_ess",
+    "OMPI_MCA_pmix",
+    "OMPI_MCA_mpi_oversubscribe",
+    "OMPI_MCA_shmem_RUNTIME_QUERY_hint",
 )
-"""The OMPI_MCA_ variables an Open MPI launcher gives its ranks; every other OMPI_MCA_ variable is the user's."""
+"""The OMPI_MCA_ variables Open MPI's launchers (4.x, 5.x) give their ranks; every other OMPI_MCA_ is the user's."""
 LOOPBACK_SETTINGS = (
     "UCX_NET_DEVICES",  # MPICH over UCX (the mpich wheel)
     "FI_TCP_IFACE",  # MPICH over libfabric
