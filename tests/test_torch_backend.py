@@ -172,6 +172,36 @@ def test_torchrun_launch_fails_at_once_with_how_to_launch():
     assert "hpdl launch -n N" in done.stderr and "mpiexec -n N" in done.stderr, done.stderr[-2000:]
 
 
+TWO_BACKENDS = """
+import torch, torch.distributed as dist, hpdl
+try:
+    dist.init_process_group("cpu:hpdl,cuda:nccl")
+    print("initialized", type(dist.group.WORLD).__name__)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+dist.init_process_group("cpu:hpdl,cuda:hpdl")  # hpdl for both: one group, as asked
+t = torch.ones(2)
+dist.all_reduce(t)
+print("both on hpdl", t.tolist(), flush=True)
+"""
+
+
+def test_hpdl_beside_another_backend_is_refused_not_dropped_in_silence():
+    """torch lets a Python process group replace the whole group: "cpu:hpdl,cuda:nccl" gave hpdl every tensor,
+    CUDA ones included, while dist.get_backend() still said "cpu:hpdl,cuda:nccl"."""
+    from hpdl.runtime.spawn import mpiexec_argv
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [*mpiexec_argv(1), sys.executable, "-c", TWO_BACKENDS], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    said = done.stdout
+    assert "LaunchError init_process_group('cpu:hpdl,cuda:nccl')" in said and "cuda:nccl would be ignored" in said
+    assert "dist.new_group(backend='hpdl')" in said and "initialized" not in said, said
+    assert "both on hpdl [1.0, 1.0]" in said, said
+
+
 def test_a_torch_older_than_the_backend_is_named_not_failed(monkeypatch):
     """`unavailable()` says why an older torch cannot run the backend: create_process_group raises it, and
     `hpdl bench gpu` reports its rows n/a instead of failing the check (seen on torch 2.4.1)."""

@@ -9,6 +9,7 @@ this function only on the ranks inside the group.
 
 from __future__ import annotations
 
+import sys
 import time
 import zlib
 from typing import Any
@@ -45,9 +46,43 @@ def unavailable() -> str:
     return f"the hpdl torch.distributed backend needs torch >= {needed} (this is {torch.__version__})"
 
 
+def requested_device_backends() -> dict[str, str]:
+    """The device -> backend map of the `init_process_group` / `new_group` call being served ({} when not found).
+
+    torch hands a backend's creator no device map, so it is read from torch's own frame
+    (`_new_process_group_helper`'s `backend_config`, torch 2.11-2.14).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_new_process_group_helper":
+            getter = getattr(frame.f_locals.get("backend_config"), "get_device_backend_map", None)
+            return {str(d): str(b) for d, b in getter().items()} if callable(getter) else {}
+        frame = frame.f_back  # type: ignore[assignment]
+    return {}
+
+
+def refuse_a_second_backend(devices: dict[str, str]) -> None:
+    """Raise when "hpdl" was asked for beside another backend ("cpu:hpdl,cuda:nccl"): a Python process group
+    replaces torch's whole group, so the other backend would be dropped without a word."""
+    import torch
+
+    others = [f"{device}:{backend}" for device, backend in devices.items() if backend.lower() != "hpdl"]
+    if not others:
+        return
+    spec = ",".join(f"{device}:{backend}" for device, backend in devices.items())
+    raise LaunchError(
+        f"init_process_group({spec!r}): hpdl's process group replaces torch's whole group (torch "
+        f"{torch.__version__} lets a Python backend sit beside no other), so {', '.join(others)} would be "
+        "ignored and those tensors would go through hpdl without a word. Use 'hpdl' alone (CUDA tensors then go "
+        "through MPI: CUDA-aware or staged through the host), or keep the other backend as the default group "
+        "and make an hpdl group for CPU tensors with dist.new_group(backend='hpdl')."
+    )
+
+
 def create_process_group(backend_options: Any, pg_options: Any) -> Any:
     if why := unavailable():
         raise LaunchError(f"{why}; upgrade torch, or use hpdl's own API (hpdl.init(), DataParallel) on this one")
+    refuse_a_second_backend(requested_device_backends())
     launch = detect()
     if launch.launcher == "torchrun" or launch.backend == "torch":
         raise LaunchError(
