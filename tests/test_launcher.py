@@ -358,6 +358,8 @@ def test_an_outer_jobs_launch_variables_go_and_the_users_open_mpi_settings_stay(
     env = spawn.job_environment("mpi", 2, base={**user, **outer})
     assert {k: env.get(k) for k in user} == user
     assert not set(outer) & set(env), set(outer) & set(env)
+    # unless the user chose, local Open MPI ranks meet in shared memory: its TCP transport listens everywhere
+    assert spawn.job_environment("mpi", 2, base={})["OMPI_MCA_btl"] == "^tcp"
 
 
 def test_rank_labels_of_gforker_and_open_mpi_read_as_hydras():
