@@ -68,3 +68,22 @@ def test_open_mpi_jobs_of_a_few_ranks_get_libnbcs_reduce_scatter_allgather_allre
     ):
         choose_defaults(env)
         assert env.get(IALLREDUCE_ALGORITHM) == expected, env
+
+
+def test_pips_open_mpi_4_wheel_is_told_where_it_lives_unless_the_user_said(tmp_path):
+    """Without OPAL_PREFIX that wheel's MPI_Init aborts any process its mpiexec did not start (`hpdl info`)."""
+    from hpdl.runtime.open_mpi import choose_defaults
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libmpi.so.40").write_bytes(b"")
+    env: dict = {}
+    choose_defaults(env, prefix=str(tmp_path))
+    assert env == {}  # no orted: Open MPI 5's wheel, or a system MPI
+    (tmp_path / "bin" / "orted").write_bytes(b"")
+    (tmp_path / "bin" / "orted").chmod(0o755)
+    choose_defaults(env, prefix=str(tmp_path))
+    assert env == {"OPAL_PREFIX": str(tmp_path)}
+    mine = {"OPAL_PREFIX": "/opt/openmpi"}
+    choose_defaults(mine, prefix=str(tmp_path))
+    assert mine == {"OPAL_PREFIX": "/opt/openmpi"}

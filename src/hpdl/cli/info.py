@@ -80,6 +80,9 @@ def _huge_pages() -> dict[str, str]:
 
 
 def _mpi_info() -> dict[str, Any]:
+    from hpdl.runtime import open_mpi
+
+    open_mpi.choose_defaults()  # before MPI starts
     try:
         import mpi4py
 

