@@ -556,8 +556,10 @@ def issue_order_with_a_late_rank(comm: Any) -> dict:
 def a_callback_that_runs_too_long(comm: Any) -> tuple:
     """On rank 0 the progress thread runs a future's callback that takes 1.5 s, past its group's 0.5 s timeout;
     the main thread's `work.wait()` raises `CommTimeoutError` after about 0.5 s instead of waiting for it (every
-    wait has a bound). The other ranks' all_reduce completes normally; the last rank joins late, so that rank 0's
-    operation is still in flight when the callback is attached and the progress thread runs it."""
+    wait has a bound). The other ranks' all_reduce completes normally; the last rank joins only once rank 0 has
+    attached the callback (a message on the world communicator says so), so that rank 0's operation is still in
+    flight then and the progress thread runs it (a sleep there was not enough on a loaded machine: the future
+    had completed, and torch ran the callback at once in the main thread)."""
     import threading
     import time
 
@@ -568,7 +570,7 @@ def a_callback_that_runs_too_long(comm: Any) -> tuple:
     sub = dist.new_group(list(range(size)))
     sub.comm.timeout = 0.5
     if rank == size - 1:
-        time.sleep(0.2)
+        comm.recv(torch.zeros(1), 0, tag=7)  # rank 0 has attached its callback
     work = dist.all_reduce(torch.ones(3), group=sub, async_op=True)
     if rank != 0:
         work.wait()
@@ -582,6 +584,7 @@ def a_callback_that_runs_too_long(comm: Any) -> tuple:
         finished.set()
 
     work.get_future().then(slow)
+    comm.send(torch.ones(1), size - 1, tag=7)
     assert running.wait(5.0), "the progress thread did not run the callback"
     started = time.perf_counter()
     try:
