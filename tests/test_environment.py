@@ -70,6 +70,19 @@ def test_open_mpi_jobs_of_a_few_ranks_get_libnbcs_reduce_scatter_allgather_allre
         assert env.get(IALLREDUCE_ALGORITHM) == expected, env
 
 
+def test_open_mpi_4_ranks_get_its_shared_memory_and_point_to_point_one_sided_components_unless_the_user_chose():
+    """Its osc/rdma hung the progress boards of jobs with many sub-communicators; Open MPI 5 has no pt2pt."""
+    from hpdl.runtime.open_mpi import ONE_SIDED, choose_defaults
+
+    for env, expected in (
+        ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_MCA_orte_hnp_uri": "1.0;tcp://127.0.0.1:1"}, "sm,pt2pt"),  # ORTE
+        ({"OMPI_COMM_WORLD_SIZE": "4", "PRTE_LAUNCHED": "1"}, None),  # Open MPI 5
+        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://127.0.0.1:1", ONE_SIDED: "ucx"}, "ucx"),
+    ):
+        choose_defaults(env)
+        assert env.get(ONE_SIDED) == expected, env
+
+
 def test_pips_open_mpi_4_wheel_is_told_where_it_lives_unless_the_user_said(tmp_path):
     """Without OPAL_PREFIX that wheel's MPI_Init aborts any process its mpiexec did not start (`hpdl info`)."""
     from hpdl.runtime.open_mpi import choose_defaults
