@@ -675,6 +675,7 @@ def configuration(b: Bench) -> dict[str, Any]:
         hpdl_mpi_engine=b.mpi.engine,
         hpdl_mpi_calls=b.mpi.calls,
         hpdl_shm_thresholds=getattr(b.mpi, "shm_thresholds_source", ""),
+        hpdl_pairs=getattr(b.mpi, "pairs", ""),
         hpdl_torch_engine=b.gloo.engine,
         fusion_tensors=FUSION_TENSORS,
         fusion_tensor_bytes=FUSION_BYTES,

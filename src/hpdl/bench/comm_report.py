@@ -220,7 +220,7 @@ def header_lines(config: Mapping[str, Any]) -> list[str]:
     keys = (
         "benchmark", "date", "hostname", "cpu", "cpu_count", "ranks", "threads_per_rank", "omp_num_threads",
         "mpi_library_version", "mpi4py_version", "hpdl_mpi_engine", "hpdl_mpi_calls",
-        "hpdl_shm_thresholds", "hpdl_torch_engine", "torch_version",
+        "hpdl_shm_thresholds", "hpdl_pairs", "hpdl_torch_engine", "torch_version",
         "numpy_version", "python", "hpdl_version", "dtype", "sizes", "quick", "iters_max", "iters_min", "budget_s",
         "warmup", "warmup_from_1mib", "fusion_tensors", "fusion_tensor_bytes", "hpdl_fusion_mb", "debug_sizes",
         "raw_torch_allgather", "raw_torch_reduce_scatter", "load_average_start", "load_average_end", "timing",

@@ -5,7 +5,8 @@ so no pickling and no copy. float16 and bfloat16 have no MPI datatype:
 they move as 16-bit words and are reduced in float32. GPU tensors go to MPI
 directly when the library is CUDA-aware (`cuda_aware()`), else they are
 staged through host memory. Every call is non-blocking underneath, so every
-wait can time out.
+wait can time out. On two ranks, small collectives travel as one message each
+way (pairs.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from hpdl.comm import agreement, fusion, mpi_calls, same_settings, shm
+from hpdl.comm import agreement, fusion, mpi_calls, pairs, same_settings, shm
 from hpdl.comm import tuning as tuning_file
 from hpdl.comm.base import DECLINED, Communicator, is_block_of
 from hpdl.comm.env import env_flag, env_number
@@ -214,6 +215,8 @@ class MpiCommunicator(Communicator):
             self._fused_shm_min = shm.fused_threshold()
             self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
             """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not ..._block."""
+            self._pair_limits = pairs.limits() if self.size == 2 else dict.fromkeys(pairs.KINDS, 0)
+            """Per collective, the bytes each way below which it travels as messages (two ranks: pairs.py)."""
             same_settings.agree(mpi_comm, self._path_settings(), timeout)
         except Exception:
             self._progress.close()  # every rank raises the same error: leave MPI as it was
@@ -225,6 +228,7 @@ class MpiCommunicator(Communicator):
         self._cross: Any = None
         self._hand_back: Optional[tuple[int, list[Work]]] = None
         """Set by `start_briefly`: where the fast paths put an operation still running after their short wait."""
+        self._pair: Any = None
         self._open_shm_gates()
         calls, self.calls = mpi_calls.select()
         """Which MPI calls the fast paths make: compiled (hpdl.comm._mpi_fast) or mpi4py's, and why."""
@@ -240,6 +244,10 @@ class MpiCommunicator(Communicator):
         self._call_broadcast = calls.broadcast
         self._call_send = calls.send
         self._call_recv = calls.recv
+        self._calls = calls
+        self._handle_of = calls.handle
+        if any(self._pair_limits.values()):
+            self._start_pair(calls)
         self._slots = self._progress.slots
         self._status = MPI.Status()
         self.shm_status = "not started (starts with the first collective above its size threshold)"
@@ -275,6 +283,73 @@ class MpiCommunicator(Communicator):
             if getattr(type(self), name) is _DEFINED[name]:
                 setattr(self, name, getattr(fast, name))
 
+    def _start_pair(self, calls: mpi_calls.Calls) -> None:
+        """Two ranks: the small collectives' messages, on a duplicate of the communicator; every fast path's MPI
+        call goes through the routing below (the compiled `Fast` reads `_pair` itself)."""
+        self._pair_comm = self.mpi_comm.Dup()
+        span = self.mpi_comm.Get_attr(MPI.TAG_UB) + 1
+        if calls.compiled:
+            self._pair = calls.module.Pair(calls.handle(self._pair_comm), self.rank, span, self._pair_mismatch)
+        else:
+            self._pair = pairs.Pair(self._pair_comm, self.rank, span, self._pair_mismatch)
+        self._call_allreduce = self._routed_allreduce
+        self._call_allgather = self._routed_allgather
+        self._call_reduce_scatter = self._routed_reduce_scatter
+        self._call_broadcast = self._routed_broadcast
+        self._open_shm_gates()
+
+    # The fast paths' MPI calls on a two-rank communicator: messages below the pair's limits, the collective
+    # from there (bytes each way: the allreduce's or broadcast's buffer, an allgather's or reduce_scatter's
+    # block per rank, as the compiled `Fast` compares). The tag is the collective's sequence number.
+    def _routed_allreduce(self, comm: Any, address: int, nbytes: int, datatype: Any, op: Any, wait: float) -> Any:
+        if nbytes < self._pair_allreduce_below and comm == self._handle:
+            return self._pair.allreduce(address, nbytes, datatype, op, self._seq, wait)
+        return self._calls.allreduce(comm, address, nbytes, datatype, op, wait)
+
+    def _routed_allgather(self, comm: Any, send: int, out: int, nbytes: int, datatype: Any, wait: float) -> Any:
+        if nbytes < self._pair_allgather_below and comm == self._handle:
+            return self._pair.allgather(send, out, nbytes, datatype, self._seq, wait)
+        return self._calls.allgather(comm, send, out, nbytes, datatype, wait)
+
+    def _routed_reduce_scatter(
+        self, comm: Any, address: int, out: int, nbytes: int, datatype: Any, op: Any, wait: float
+    ) -> Any:  # fmt: skip
+        if nbytes < self._pair_reduce_scatter_below and comm == self._handle:
+            return self._pair.reduce_scatter(address, out, nbytes, datatype, op, self._seq, wait)
+        return self._calls.reduce_scatter(comm, address, out, nbytes, datatype, op, wait)
+
+    def _routed_broadcast(self, comm: Any, address: int, nbytes: int, datatype: Any, root: int, wait: float) -> Any:
+        if nbytes < self._pair_broadcast_below and comm == self._handle:
+            return self._pair.broadcast(address, nbytes, datatype, root, self._seq, wait)
+        return self._calls.broadcast(comm, address, nbytes, datatype, root, wait)
+
+    @property
+    def pairs(self) -> str:
+        """Which collectives travel as messages (two ranks: pairs.py), in words."""
+        if self.size != 2:
+            return f"none ({self.size} ranks: MPI's collectives)"
+        if self._pair is None:
+            return "none (HPDL_PAIR_BYTES=0)"
+        return (
+            "; ".join(
+                f"{op} {'every size' if below >= pairs.ANY_SIZE else f'below {below} B'}"
+                for op, below in self._pair_limits.items()
+            )
+            + " (each way; below the shared-memory thresholds)"
+        )
+
+    def _pair_mismatch(self, op: str, expected: int, received: int) -> None:
+        """A two-rank collective's message of the wrong length: the ranks passed different sizes."""
+        peer = 1 - self.rank
+        sent = f"more than {expected} B" if received < 0 else f"{received} B"
+        mine = "expected" if op == "broadcast" else "passed"
+        raise CommError(
+            f"{op} #{self._seq} on rank {self.rank} of 2: this rank {mine} {expected} B, rank {peer} sent {sent}: "
+            "the ranks passed different sizes to this collective (its result is wrong; the ranks go on, and the "
+            "agreement check names both calls at its next check). Every rank must pass the same sizes; run with "
+            "HPDL_DEBUG=1 to compare every rank's call before it runs."
+        )
+
     def _path_settings(self) -> dict[str, int]:
         """What decides, per call, which path a collective takes and how: every rank must read the same."""
         settings = {
@@ -288,6 +363,8 @@ class MpiCommunicator(Communicator):
             "HPDL_COUNTED_REDUCE_SCATTER (from)": self._counted_reduce_scatter[0],
             "HPDL_COUNTED_REDUCE_SCATTER (to)": self._counted_reduce_scatter[1],
         }
+        for op, below in self._pair_limits.items():
+            settings[f"HPDL_PAIR_BYTES ({op})"] = below
         for op, (zero_copy, ordinary) in self._shm_thresholds.items():
             settings[f"HPDL_SHM_MIN_{op.upper()} (shared buffers)"] = zero_copy
             settings[f"HPDL_SHM_MIN_{op.upper()} (ordinary tensors)"] = ordinary
@@ -325,6 +402,13 @@ class MpiCommunicator(Communicator):
         low, high = self._counted_reduce_scatter
         self._fast_reduce_scatter_below = min(gate["reduce_scatter"], _INT_COUNT, low if low < high else math.inf)
         self._fast_broadcast_below = min(gate["broadcast"], _INT_COUNT)
+        # Two ranks: below these, messages (pairs.py); never on the exit channel, nor from a shared-memory size.
+        paired = self._pair is not None and not closed
+        limit = self._pair_limits
+        self._pair_allreduce_below = min(gate["allreduce"], limit["allreduce"]) if paired else 0
+        self._pair_allgather_below = min(gate["allgather"] / 2, limit["allgather"]) if paired else 0
+        self._pair_reduce_scatter_below = min(gate["reduce_scatter"] / 2, limit["reduce_scatter"]) if paired else 0
+        self._pair_broadcast_below = min(gate["broadcast"], limit["broadcast"]) if paired else 0
 
     # ------------------------------------------------------------------ fast paths
     # The common call on an ordinary contiguous CPU tensor below the shared-memory thresholds,
@@ -716,6 +800,10 @@ class MpiCommunicator(Communicator):
             if op == "avg":
                 t.div_(self.size)
             return completed(self, "allreduce", seq, t)
+        if self._pair_allreduce_below and t.numel() * (4 if t.dtype in _HALF else t.element_size()) < (
+            self._pair_allreduce_below
+        ):
+            return self._pair_allreduce(t, op, seq)
         if t.is_cpu and t.dtype in _NATIVE:  # the common case, kept short: it runs for every bucket
             request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, [_memory(t), _NATIVE[t.dtype]], _OPS[op])
             average = (lambda: t.div_(self.size)) if op == "avg" else None
@@ -734,6 +822,24 @@ class MpiCommunicator(Communicator):
             return t
 
         return self._work("allreduce", seq, request, finish)
+
+    def _pair_allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
+        """A two-rank allreduce as messages (pairs.py): on the host, 16-bit floats in float32."""
+        wire = t if t.is_cpu else t.cpu()
+        if t.dtype in _HALF:
+            wire = wire.float()
+        handle = self._handle_of
+        request = self._pair.allreduce(
+            wire.data_ptr(), wire.nbytes, handle(_move_type(wire, "allreduce")), handle(_reduce_op(wire, op)), seq,
+            _NO_WAIT,
+        )  # fmt: skip
+
+        def finish() -> torch.Tensor:
+            if op == "avg":
+                wire.div_(self.size)
+            return _copy_back(t, wire)
+
+        return Work(self, "allreduce", seq, request.Test, finish, keep=wire)
 
     def _allreduce_buckets(
         self, buckets: list[fusion.Bucket], op: str, seq: int, async_op: bool
@@ -801,12 +907,19 @@ class MpiCommunicator(Communicator):
             result = out if out is not None else torch.empty((sum(sizes), *t.shape[1:]), dtype=t.dtype)
             node.allgather(t, sizes, result)
             return completed(self, "allgather", seq, result)
-        host = self._host(t)
         row = math.prod(t.shape[1:])
+        paired = len(set(sizes)) == 1 and t.numel() * t.element_size() < self._pair_allgather_below
+        host = t if paired and t.is_cpu else t.cpu() if paired else self._host(t)
         out_host = _output(out, host, (sum(sizes), *t.shape[1:]), t.dtype)
         dtype = _move_type(t, "allgather")
-        send = _IN_PLACE if is_block_of(host, out_host, sum(sizes[: self.rank])) else _buffer(host, dtype)
-        if len(set(sizes)) == 1:
+        in_place = is_block_of(host, out_host, sum(sizes[: self.rank]))
+        send = _IN_PLACE if in_place else _buffer(host, dtype)
+        if paired:
+            request = self._pair.allgather(
+                0 if in_place else host.data_ptr(), out_host.data_ptr(), host.nbytes, self._handle_of(dtype), seq,
+                _NO_WAIT,
+            )  # fmt: skip
+        elif len(set(sizes)) == 1:
             request = self.mpi_comm.Iallgather(send, _buffer(out_host, dtype))
         else:
             counts = [n * row for n in sizes]
@@ -822,12 +935,19 @@ class MpiCommunicator(Communicator):
             if op == "avg":
                 result.div_(self.size)
             return completed(self, "reduce_scatter", seq, result)
-        host = self._host(t)
+        wire_bytes = t.numel() * (4 if t.dtype in _HALF else t.element_size())
+        paired = wire_bytes // self.size < self._pair_reduce_scatter_below
+        host = t if paired and t.is_cpu else t.cpu() if paired else self._host(t)
         wire = host.float() if t.dtype in _HALF else host
         result = _output(out, wire, (t.shape[0] // self.size, *t.shape[1:]), wire.dtype)
         dtype = _move_type(wire, "reduce_scatter")
         low, high = self._counted_reduce_scatter
-        if low <= wire.nbytes < high:  # the same operation, through the call that is fast at these sizes
+        if paired:
+            request = self._pair.reduce_scatter(
+                wire.data_ptr(), result.data_ptr(), result.nbytes, self._handle_of(dtype),
+                self._handle_of(_reduce_op(wire, op)), seq, _NO_WAIT,
+            )  # fmt: skip
+        elif low <= wire.nbytes < high:  # the same operation, through the call that is fast at these sizes
             count = result.numel()
             request = self.mpi_comm.Ireduce_scatter(
                 _buffer(wire, dtype), _buffer(result, dtype), [count] * self.size, _reduce_op(wire, op)
@@ -848,8 +968,14 @@ class MpiCommunicator(Communicator):
         if node := self._shared_memory("broadcast", t.numel() * t.element_size(), t):
             node.broadcast(t, root)
             return completed(self, "broadcast", seq, t)
-        host = self._host(t)
-        request = self.mpi_comm.Ibcast(_buffer(host, _move_type(t, "broadcast")), root=root)
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self._pair_broadcast_below:
+            host = t if t.is_cpu else t.cpu()
+            handle = self._handle_of(_move_type(t, "broadcast"))
+            request = self._pair.broadcast(host.data_ptr(), nbytes, handle, root, seq, _NO_WAIT)
+        else:
+            host = self._host(t)
+            request = self.mpi_comm.Ibcast(_buffer(host, _move_type(t, "broadcast")), root=root)
         return self._work("broadcast", seq, request, lambda: _copy_back(t, host))
 
     def _alltoall(self, t: torch.Tensor, seq: int, out: Optional[torch.Tensor] = None) -> Work:
@@ -919,6 +1045,9 @@ class MpiCommunicator(Communicator):
         if self._broken:
             return  # collectives may be pending; freeing would wait on them
         self._exit_comm.Free()
+        if self._pair is not None:
+            self._pair = None
+            self._pair_comm.Free()
         if self._node is not None:
             self._node.close()
             self._node.node.Free()

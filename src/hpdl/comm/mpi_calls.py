@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from hpdl.comm.env import env_flag
 
-__all__ = ["Calls", "compiled_calls", "counted_reduce_scatter", "memory_at", "select"]
+__all__ = ["Calls", "compiled_calls", "counted_reduce_scatter", "finish_briefly", "memory_at", "select"]
 
 _BUFFERS: dict[tuple[int, int], Any] = {}
 _BUFFER_CACHE_SIZE = 1024
@@ -82,7 +82,9 @@ def memory_at(address: int, nbytes: int) -> Any:
     return memory
 
 
-def _finish(request: Any, wait: float, status: Any = None) -> Any:
+def finish_briefly(request: Any, wait: float, status: Any = None) -> Any:
+    """None once `request` completed within `wait` seconds (tested at full speed, then yielding the core), else
+    the request itself (negative `wait`: untested)."""
     if wait < 0:
         return request
     test = request.Test if status is None else (lambda: request.Test(status))
@@ -113,30 +115,30 @@ class Calls:
 
     @staticmethod
     def allreduce(comm: Any, address: int, nbytes: int, datatype: Any, op: Any, wait: float) -> Any:
-        return _finish(comm.Iallreduce(MPI.IN_PLACE, [memory_at(address, nbytes), datatype], op), wait)
+        return finish_briefly(comm.Iallreduce(MPI.IN_PLACE, [memory_at(address, nbytes), datatype], op), wait)
 
     @staticmethod
     def allgather(comm: Any, send: int, out: int, nbytes: int, datatype: Any, wait: float) -> Any:
         mine = MPI.IN_PLACE if not send else [memory_at(send, nbytes), datatype]
-        return _finish(comm.Iallgather(mine, [memory_at(out, nbytes * comm.Get_size()), datatype]), wait)
+        return finish_briefly(comm.Iallgather(mine, [memory_at(out, nbytes * comm.Get_size()), datatype]), wait)
 
     @staticmethod
     def reduce_scatter(comm: Any, address: int, out: int, nbytes: int, datatype: Any, op: Any, wait: float) -> Any:
         whole = [memory_at(address, nbytes * comm.Get_size()), datatype]
-        return _finish(comm.Ireduce_scatter_block(whole, [memory_at(out, nbytes), datatype], op), wait)
+        return finish_briefly(comm.Ireduce_scatter_block(whole, [memory_at(out, nbytes), datatype], op), wait)
 
     @staticmethod
     def broadcast(comm: Any, address: int, nbytes: int, datatype: Any, root: int, wait: float) -> Any:
-        return _finish(comm.Ibcast([memory_at(address, nbytes), datatype], root), wait)
+        return finish_briefly(comm.Ibcast([memory_at(address, nbytes), datatype], root), wait)
 
     @staticmethod
     def send(comm: Any, address: int, nbytes: int, datatype: Any, dst: int, tag: int, wait: float) -> Any:
-        return _finish(comm.Isend([memory_at(address, nbytes), datatype], dst, tag), wait)
+        return finish_briefly(comm.Isend([memory_at(address, nbytes), datatype], dst, tag), wait)
 
     @staticmethod
     def recv(comm: Any, address: int, nbytes: int, datatype: Any, src: int, tag: int, wait: float) -> Any:
         status = MPI.Status()
-        request = _finish(comm.Irecv([memory_at(address, nbytes), datatype], src, tag), wait, status)
+        request = finish_briefly(comm.Irecv([memory_at(address, nbytes), datatype], src, tag), wait, status)
         return status.Get_count(MPI.BYTE) if request is None else request
 
 

@@ -1,0 +1,182 @@
+"""Two-rank communicators: small collectives as one message each way instead of MPI's nonblocking collectives.
+
+hpdl needs nonblocking MPI calls (every wait is bounded), and MPICH's
+nonblocking collectives cost more than the blocking ones for small messages:
+2 ranks, a C loop, 4 B: MPI_Iallreduce 0.91 us, MPI_Allreduce 0.54 us, an
+Isend/Irecv pair and a local reduction 0.51 us; 4 KiB: 2.85 / 3.21 / 1.71 us;
+MPI_Ibcast 0.80 us against 0.24 us for MPI_Bcast and 0.13 us for one message.
+On a communicator of two ranks (the benchmark's, a 2-way mesh dimension, a
+pipeline's neighbours) the four collectives below the limits here therefore
+travel as one message each way, on a duplicate of the communicator (no user
+message can match them), tagged with the collective's sequence number (a
+message of one collective never completes another). The reduction is
+`MPI_Reduce_local` with the collective's own MPI op; every predefined op is
+commutative, so both ranks compute the same bits.
+
+A message of the wrong length (ranks that passed different sizes) is an
+error at once on the rank that receives it, where a collective could return
+with half of the values untouched.
+
+Which calls go this way must be the same on every rank (a rank that sends a
+message while its peer waits in a collective would wait forever): every path
+(compiled, Python, general) compares the same bytes each way with the same
+limits, and HPDL_PAIR_BYTES is one of the settings the ranks compare at
+start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from hpdl.comm.env import env_number
+from hpdl.comm.mpi_calls import finish_briefly, memory_at
+
+__all__ = ["ANY_SIZE", "DEFAULT_BELOW", "KINDS", "Pair", "Pending", "limits"]
+
+KINDS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
+
+ANY_SIZE = 2**31
+"""A limit that every size below the shared-memory path's (and an int count) meets."""
+
+DEFAULT_BELOW = {"allreduce": 32 * 1024, "allgather": ANY_SIZE, "reduce_scatter": ANY_SIZE, "broadcast": ANY_SIZE}
+"""Bytes each way (the allreduce's or broadcast's buffer, an allgather's or reduce_scatter's block) below which a
+two-rank collective travels as messages. MPICH 5.0.2, 2 ranks, a C loop of nonblocking calls (each way: 4 KiB,
+64 KiB, 1 MiB, 16 MiB): allgather 1.97 / 17.4 / 277 / 6006 us as MPI_Iallgather, 1.42 / 5.4 / 102 / 2396 us as
+messages; reduce_scatter 3.32 / 27.8 / 389 / 11772 us against 1.75 / 12.3 / 291 / 8416 us (from 128 KiB each
+way MPI_Ireduce_scatter_block took 10x); broadcast (one message) 0.38 us at 4 KiB against 0.88 us for
+MPI_Ibcast, 11 against 12 us at 1 MiB. allreduce: 1.70 against 3.00 us at 4 KiB, even at 16 KiB, slower from
+32 KiB (16.8 against 15.8 us; MPICH's allreduce splits the work there, one exchange each way cannot)."""
+
+
+def limits() -> dict[str, int]:
+    """Per collective, the bytes each way below which it travels as messages: HPDL_PAIR_BYTES (one limit for
+    all four; 0: never), else the built-in ones."""
+    chosen = env_number("HPDL_PAIR_BYTES", -1, int, "bytes (0: never)", allow_zero=True)
+    if chosen < 0:
+        return dict(DEFAULT_BELOW)
+    return dict.fromkeys(KINDS, chosen)
+
+
+Mismatch = Callable[[str, int, int], None]
+"""mismatch(kind, bytes expected, bytes received or -1 for more): raises the caller's error."""
+
+
+class Pair:
+    """The messages through mpi4py (HPDL_COMPILED=0, or no compiled module): the compiled `Pair` in
+    _mpi_fast.c has the same calls, on MPI's own handles. Each call starts both messages and returns None
+    once they completed within `wait` seconds (negative: not tested), else a `Pending`."""
+
+    def __init__(self, comm: Any, rank: int, tag_span: int, mismatch: Mismatch):
+        self._comm = comm
+        self._peer = 1 - rank
+        self._rank = rank
+        self._span = tag_span
+        self._mismatch = mismatch
+
+    def allreduce(self, address: int, nbytes: int, datatype: Any, op: Any, tag: int, wait: float) -> Any:
+        scratch = bytearray(nbytes)
+        target = [memory_at(address, nbytes), datatype]
+
+        def reduce() -> None:
+            if nbytes:
+                op.Reduce_local([scratch, datatype], target)
+
+        return self._exchange("allreduce", [scratch, datatype], target, nbytes, tag, wait, reduce)
+
+    def allgather(self, send: int, out: int, nbytes: int, datatype: Any, tag: int, wait: float) -> Any:
+        mine = out + nbytes * self._rank
+        if send and send != mine and nbytes:
+            memory_at(mine, nbytes)[:] = memory_at(send, nbytes)
+        theirs = [memory_at(out + nbytes * self._peer, nbytes), datatype]
+        return self._exchange("allgather", theirs, [memory_at(mine, nbytes), datatype], nbytes, tag, wait, None)
+
+    def reduce_scatter(self, address: int, out: int, nbytes: int, datatype: Any, op: Any, tag: int, wait: float) -> Any:
+        own = [memory_at(address + nbytes * self._rank, nbytes), datatype]
+        target = [memory_at(out, nbytes), datatype]
+        send = [memory_at(address + nbytes * self._peer, nbytes), datatype]
+        if out + nbytes <= address or out >= address + 2 * nbytes:  # apart: the peer's block arrives in the output
+
+            def reduce_into_output() -> None:
+                if nbytes:
+                    op.Reduce_local(own, target)
+
+            return self._exchange("reduce_scatter", target, send, nbytes, tag, wait, reduce_into_output)
+        scratch = [bytearray(nbytes), datatype]
+
+        def reduce() -> None:
+            if nbytes:
+                target[0][:] = own[0]
+                op.Reduce_local(scratch, target)
+
+        return self._exchange("reduce_scatter", scratch, send, nbytes, tag, wait, reduce)
+
+    def broadcast(self, address: int, nbytes: int, datatype: Any, root: int, tag: int, wait: float) -> Any:
+        buffer = [memory_at(address, nbytes), datatype]
+        if root == self._rank:
+            return self._exchange("broadcast", None, buffer, nbytes, tag, wait, None)
+        return self._exchange("broadcast", buffer, None, nbytes, tag, wait, None)
+
+    def _exchange(
+        self, kind: str, recv: Any, send: Any, nbytes: int, tag: int, wait: float, reduce: Any
+    ) -> Any:  # fmt: skip
+        tag %= self._span
+        requests = []
+        if recv is not None:
+            requests.append(self._comm.Irecv(recv, self._peer, tag))
+        if send is not None:
+            requests.append(self._comm.Isend(send, self._peer, tag))
+        pending = Pending(kind, requests, nbytes if recv is not None else -1, reduce, self._mismatch)
+        if wait < 0:
+            return pending
+        return None if pending.wait_briefly(wait) else pending
+
+
+class Pending:
+    """A pair's collective in flight: `Test()` until True (then the result is in place; a message of the wrong
+    length raises through `mismatch`)."""
+
+    __slots__ = ("_kind", "_requests", "_expected", "_reduce", "_mismatch", "_status", "_received", "_done")
+
+    def __init__(self, kind: str, requests: list, expected: int, reduce: Any, mismatch: Mismatch):
+        self._kind = kind
+        self._requests = requests
+        self._expected = expected
+        self._reduce = reduce
+        self._mismatch = mismatch
+        self._status = MPI.Status()
+        self._received = -2
+        self._done = False
+
+    def wait_briefly(self, wait: float) -> bool:
+        return finish_briefly(self, wait) is None
+
+    def Test(self) -> bool:  # noqa: N802 (the name of mpi4py's Request.Test, which Work calls)
+        if self._done:
+            return True
+        for i, request in enumerate(self._requests):
+            if request == MPI.REQUEST_NULL:
+                continue
+            if self._expected >= 0 and i == 0:
+                try:
+                    if not request.Test(self._status):
+                        return False
+                except MPI.Exception as exc:
+                    if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                        raise
+                    self._received = -1
+                    self._requests[i] = MPI.REQUEST_NULL
+                    continue
+                self._received = self._status.Get_count(MPI.BYTE)
+                self._requests[i] = MPI.REQUEST_NULL
+            elif request.Test():
+                self._requests[i] = MPI.REQUEST_NULL
+            else:
+                return False
+        self._done = True
+        if self._expected >= 0 and self._received != self._expected:
+            self._mismatch(self._kind, self._expected, self._received)
+        if self._reduce is not None:
+            self._reduce()
+        return True

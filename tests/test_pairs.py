@@ -1,0 +1,116 @@
+"""Two-rank communicators send their collectives as messages (hpdl/comm/pairs.py): the same results as MPI's
+collectives, on every path that can start one.
+
+Each body runs the same calls in a pool whose collectives travel as messages (the default on two ranks, compiled
+and through mpi4py) and in one where they do not (HPDL_PAIR_BYTES=0): blocking, async, through the general path
+(16-bit floats, no `out`), an allgather in place, broadcasts from both roots, at sizes from 0 elements to past
+MPI's eager limit; the results must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from collective_data import ops_for
+
+SIZES = (0, 1, 7, 1000, 300_000)
+DTYPES = (torch.float32, torch.float64, torch.int32, torch.float16, torch.bool)
+MESSAGES = {"compiled": {}, "mpi4py": {"HPDL_COMPILED": "0"}}
+COLLECTIVES = {"HPDL_PAIR_BYTES": "0"}
+
+
+def values(rank, n, dtype):
+    x = (torch.arange(n, dtype=torch.float64) * 0.37 + rank * 1.5).sin() * 10
+    return x > 0 if dtype == torch.bool else x.to(dtype)
+
+
+def every_collective(comm):
+    """{(call, dtype, n): result} for one rank; async calls are waited for at the end, out of order."""
+    rank, size = comm.rank, comm.size
+    out, handles = {}, []
+    for dtype in DTYPES:
+        for n in SIZES:
+            mine = values(rank, n, dtype)
+            ops = ("max", "min") if dtype == torch.bool else ops_for(dtype)
+            for op in ops:
+                out["allreduce", op, dtype, n] = comm.allreduce(mine.clone(), op)
+            handles.append((("allreduce async", dtype, n), comm.allreduce(mine.clone(), "max", async_op=True)))
+            whole = torch.zeros(n * size, dtype=dtype)
+            out["allgather", dtype, n] = comm.allgather(mine, sizes=[n] * size, out=whole).clone()
+            whole = torch.zeros(n * size, dtype=dtype)
+            whole[rank * n : (rank + 1) * n] = mine
+            out["allgather in place", dtype, n] = comm.allgather(
+                whole[rank * n : (rank + 1) * n], sizes=[n] * size, out=whole
+            )
+            out["allgather new", dtype, n] = comm.allgather(mine, sizes=[n] * size)
+            if dtype != torch.bool:
+                both = torch.cat([mine, mine * 2])
+                out["reduce_scatter", dtype, n] = comm.reduce_scatter(both, "sum", out=torch.zeros(n, dtype=dtype))
+                out["reduce_scatter new", dtype, n] = comm.reduce_scatter(both.clone(), "max")
+                handles.append((("reduce_scatter async", dtype, n), comm.reduce_scatter(both.clone(), async_op=True)))
+            for root in range(size):
+                out["broadcast", root, dtype, n] = comm.broadcast(mine.clone(), root=root)
+    for key, handle in reversed(handles):
+        out[key] = handle.wait()
+    return out
+
+
+def test_messages_give_what_the_collectives_give(ranks):
+    reference = ranks("mpi", 2, env=COLLECTIVES).run(every_collective)
+    for name, env in MESSAGES.items():
+        got = ranks("mpi", 2, env=env).run(every_collective)
+        for rank in range(2):
+            assert got[rank].keys() == reference[rank].keys()
+            for key, expected in reference[rank].items():
+                assert got[rank][key].dtype == expected.dtype, (name, rank, key)
+                assert torch.equal(got[rank][key], expected), (name, rank, key)
+
+
+def pair_state(comm):
+    child = comm.split(0, comm.rank) if comm.size > 2 else None
+    pairs = comm.split(comm.rank // 2, comm.rank)
+    return {
+        "pair": type(comm._pair).__name__ if comm._pair is not None else None,
+        "below": [comm._pair_allreduce_below, comm._pair_allgather_below, comm._pair_broadcast_below],
+        "sub-communicator of 2": type(pairs._pair).__name__ if pairs.size == 2 else "n/a",
+        "whole": child is not None and child._pair is None,
+    }
+
+
+@pytest.mark.parametrize("env", [{}, {"HPDL_COMPILED": "0"}, COLLECTIVES], ids=["compiled", "mpi4py", "off"])
+def test_two_rank_communicators_have_a_pair(ranks, env):
+    for state in ranks("mpi", 2, env=env).run(pair_state):
+        if env is COLLECTIVES:
+            assert state["pair"] is None and state["below"] == [0, 0, 0]
+            continue
+        assert state["pair"] == "Pair"
+        assert state["below"][0] == 32 * 1024  # allreduce: messages below 32 KiB, MPI's collective from there
+        assert state["below"][1] >= 1 << 20 and state["below"][2] >= 1 << 20
+        assert state["sub-communicator of 2"] == "Pair"
+
+
+def test_three_ranks_use_the_collectives_and_their_pairs_the_messages(ranks):
+    for rank, state in enumerate(ranks("mpi", 3).run(pair_state)):
+        assert state["pair"] is None and state["whole"]
+        assert state["sub-communicator of 2"] == ("Pair" if rank < 2 else "n/a")  # ranks 0 and 1; rank 2 alone
+
+
+def mixed_waits(comm):
+    """Rank 0 starts its calls async and waits later; rank 1 blocks: the messages still meet in order."""
+    t = [torch.full((5,), float(comm.rank + k)) for k in range(4)]
+    if comm.rank == 0:
+        handles = [comm.allreduce(t[0], async_op=True), comm.broadcast(t[1], root=1, async_op=True)]
+        handles.append(comm.allreduce(t[2], "max", async_op=True))
+        for handle in handles:
+            handle.wait()
+    else:
+        comm.allreduce(t[0])
+        comm.broadcast(t[1], root=1)
+        comm.allreduce(t[2], "max")
+    return [x[0].item() for x in t[:3]]
+
+
+def test_async_and_blocking_calls_meet(ranks):
+    for env in MESSAGES.values():
+        assert ranks("mpi", 2, env=env).run(mixed_waits) == [[1.0, 2.0, 3.0]] * 2
