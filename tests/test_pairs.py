@@ -1,11 +1,11 @@
 """Two-rank communicators send their collectives as messages (hpdl/comm/pairs.py): the same results as MPI's
 collectives, on every path that can start one.
 
-Each body runs the same calls in a pool whose collectives travel as messages (the default on two ranks, compiled
-and through mpi4py) and in one where they do not (HPDL_PAIR_BYTES=0): blocking, async, through the general path
-(16-bit floats, no `out`), an allgather in place, broadcasts from both roots, at sizes from 0 elements to past
-MPI's eager limit; the results must be equal bit for bit.
-"""
+Each body runs the same calls in pools whose collectives travel as messages (the default on two ranks, compiled
+and through mpi4py, receiving at once or after a matched probe) and in one where they do not
+(HPDL_PAIR_BYTES=0): blocking, async, through the general path (16-bit floats, no `out`), an allgather in
+place, broadcasts from both roots, at sizes from 0 elements to past MPI's eager limit; the results must be
+equal bit for bit."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from collective_data import ops_for
 
 SIZES = (0, 1, 7, 1000, 300_000)
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.float16, torch.bool)
-MESSAGES = {"compiled": {}, "mpi4py": {"HPDL_COMPILED": "0"}}
+MESSAGES = {
+    "compiled": {},
+    "mpi4py": {"HPDL_COMPILED": "0"},
+    "compiled, probing first": {"HPDL_PAIR_PROBE": "1"},
+    "mpi4py, probing first": {"HPDL_COMPILED": "0", "HPDL_PAIR_PROBE": "1"},
+}
 COLLECTIVES = {"HPDL_PAIR_BYTES": "0"}
 
 

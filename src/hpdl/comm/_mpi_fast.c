@@ -239,8 +239,9 @@ static PyObject *initialized(PyObject *self, PyObject *unused) {
    (which the bounded wait needs) cost 0.4-0.7 us more than their blocking twins below 16 KiB, and a pair of
    Isend/Irecv costs less than either (2-rank VM, C loop: a 4-byte allreduce 0.51 us as messages, 0.54 us
    MPI_Allreduce, 0.91 us MPI_Iallreduce; a 4 KiB one 1.71 / 3.21 / 2.85 us). `Pair` holds the messages' own
-   communicator (a duplicate, so that no user message can match them); its calls mirror the module's
-   (a tag added: the caller's sequence number, so that a message of one collective never completes another),
+   communicator (a duplicate, so that no user message can match them); its calls mirror the module's (each
+   collective's messages tagged with its number in the pair's own count, which both ranks keep in step: a
+   message of one collective never completes another, also where a receive is posted only after a probe),
    start both messages, test them for up to `wait` seconds and return None when done or a `Pending` (its
    `Test()` for the caller's bounded wait). The reduction is MPI_Reduce_local with the same MPI op, on
    operands every predefined op takes commutatively: both ranks compute the same bits.
@@ -265,21 +266,30 @@ typedef struct {
     int count;
     MPI_Datatype type;
     MPI_Op op;
+    int probing;    /* the receive is posted only once a matched probe has told the message's length */
+    void *recv_at;  /* (probing) where it lands when it fits */
+    void *overflow; /* (probing) a longer message's own buffer, freed with the exchange */
+    MPI_Comm comm;
+    int peer, tag;
 } Exchange;
 
 typedef struct {
     PyObject_HEAD MPI_Comm comm;
     int rank;
-    long long tag_span; /* tags are sequence numbers modulo MPI_TAG_UB + 1 (-1, unnumbered calls: the last) */
+    int probe;          /* receive after a matched probe: Open MPI 5.0.11 writes a longer message past the buffer */
+    long long tag_span; /* tags count this pair's collectives modulo MPI_TAG_UB + 1 */
+    unsigned long long started; /* collectives started: both ranks start the same ones in the same order */
     void *scratch;
     size_t scratch_size;
     PyObject *mismatch;
+    PyObject *comm_obj; /* the mpi4py communicator: freed when the pair and every collective in flight are gone
+                           (a receive that waits for its probe needs the communicator) */
 } Pair;
 
 typedef struct {
     PyObject_HEAD Exchange x;
     int finished;
-    PyObject *mismatch;
+    Pair *pair; /* (kept alive: its communicator, its mismatch) */
 } Pending;
 
 static PyTypeObject PendingType;
@@ -324,6 +334,22 @@ static int is_truncation(int rc) {
 /* Test both messages once: 1 when both are complete. */
 static int exchange_test(Exchange *x) {
     int flag = 0;
+    if (x->probing) {
+        MPI_Message message;
+        MPI_Status status;
+        int rc = MPI_Improbe(x->peer, x->tag, x->comm, &flag, &message, &status);
+        if (rc != MPI_SUCCESS || flag) x->probing = 0;
+        if (rc != MPI_SUCCESS && x->error == MPI_SUCCESS) x->error = rc;
+        if (rc == MPI_SUCCESS && flag) {
+            int bytes = 0;
+            void *into = x->recv_at;
+            MPI_Get_count(&status, MPI_BYTE, &bytes);
+            if (bytes > x->expected) into = x->overflow = malloc((size_t)bytes);
+            rc = bytes > x->expected && into == NULL ? MPI_ERR_NO_MEM : MPI_Imrecv(into, bytes, MPI_BYTE, &message,
+                                                                                   &x->recv);
+            if (rc != MPI_SUCCESS && x->error == MPI_SUCCESS) x->error = rc;
+        }
+    }
     if (x->recv != MPI_REQUEST_NULL) {
         MPI_Status status;
         int rc = MPI_Test(&x->recv, &flag, &status);
@@ -346,7 +372,7 @@ static int exchange_test(Exchange *x) {
             if (x->error == MPI_SUCCESS) x->error = rc;
         }
     }
-    return x->recv == MPI_REQUEST_NULL && x->send == MPI_REQUEST_NULL;
+    return !x->probing && x->recv == MPI_REQUEST_NULL && x->send == MPI_REQUEST_NULL;
 }
 
 /* Test for up to `wait` seconds, the GIL released after the first test: 1 when complete. */
@@ -390,16 +416,24 @@ static int exchange_finish(Exchange *x, PyObject *mismatch) {
 }
 
 static void exchange_release(Exchange *x) {
-    if (x->owned && x->recv == MPI_REQUEST_NULL) free(x->scratch); /* (still receiving: MPI may write; kept) */
+    if (x->recv == MPI_REQUEST_NULL) free(x->overflow); /* (still receiving: MPI may write; kept) */
+    x->overflow = NULL;
+    if (x->owned && x->recv == MPI_REQUEST_NULL) free(x->scratch);
     x->scratch = NULL;
     x->owned = 0;
 }
 
 /* Start the messages of collective `kind` (the caller filled the exchange's operands): the receive first. */
 static int exchange_start(Pair *pair, Exchange *x, void *recv_at, const void *send_from, int send_count, int to_peer,
-                          int from_peer, long long tag_seq) {
-    int peer = 1 - pair->rank, tag = (int)(((tag_seq % pair->tag_span) + pair->tag_span) % pair->tag_span), rc = MPI_SUCCESS;
-    if (from_peer) {
+                          int from_peer) {
+    int peer = 1 - pair->rank, tag = (int)(pair->started++ % (unsigned long long)pair->tag_span), rc = MPI_SUCCESS;
+    if (from_peer && pair->probe) {
+        x->probing = 1;
+        x->recv_at = recv_at;
+        x->comm = pair->comm;
+        x->peer = peer;
+        x->tag = tag;
+    } else if (from_peer) {
         int element = 0;
         MPI_Type_size(x->type, &element);
         rc = MPI_Irecv(recv_at, (int)(x->expected / (element ? element : 1)), x->type, peer, tag, pair->comm,
@@ -436,8 +470,8 @@ static PyObject *exchange_outcome(Pair *pair, Exchange *x, int started, double w
         pair->scratch_size = 0;
     }
     pending->finished = 0;
-    Py_INCREF(pair->mismatch);
-    pending->mismatch = pair->mismatch;
+    Py_INCREF(pair);
+    pending->pair = pair;
     return (PyObject *)pending;
 }
 
@@ -445,16 +479,17 @@ static PyObject *pending_test(Pending *self, PyObject *unused) {
     if (self->finished) Py_RETURN_TRUE;
     if (!exchange_test(&self->x)) Py_RETURN_FALSE;
     self->finished = 1; /* (an error is raised once; the handle is then done) */
-    int rc = exchange_finish(&self->x, self->mismatch);
+    int rc = exchange_finish(&self->x, self->pair->mismatch);
     exchange_release(&self->x);
     if (rc < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
 static void pending_dealloc(Pending *self) {
-    if (!self->finished) exchange_test(&self->x); /* the last look: completed messages free their scratch */
+    if (!self->finished && !self->x.probing) exchange_test(&self->x); /* the last look: completed messages free
+                                                                            their buffers (nothing newly posted) */
     exchange_release(&self->x);
-    Py_CLEAR(self->mismatch);
+    Py_CLEAR(self->pair);
     PyObject_Free(self);
 }
 
@@ -475,7 +510,7 @@ static PyTypeObject PendingType = {
 
 /* The kinds' starts: fill the exchange, post the messages. */
 static int pair_allreduce(Pair *pair, Exchange *x, void *address, long long nbytes, int count, MPI_Datatype type,
-                          MPI_Op op, long long tag) {
+                          MPI_Op op) {
     exchange_init(x, ALLREDUCE);
     x->expected = nbytes;
     x->count = count;
@@ -483,21 +518,21 @@ static int pair_allreduce(Pair *pair, Exchange *x, void *address, long long nbyt
     x->op = op;
     x->target = address;
     if (pair_scratch(pair, x, (size_t)nbytes) == NULL) return -1;
-    return exchange_start(pair, x, x->scratch, address, count, 1, 1, tag);
+    return exchange_start(pair, x, x->scratch, address, count, 1, 1);
 }
 
 static int pair_allgather(Pair *pair, Exchange *x, const void *send, char *out, long long nbytes, int count,
-                          MPI_Datatype type, long long tag) {
+                          MPI_Datatype type) {
     char *mine = out + nbytes * pair->rank, *theirs = out + nbytes * (1 - pair->rank);
     exchange_init(x, ALLGATHER);
     x->expected = nbytes;
     x->type = type;
     if (send != NULL && send != mine && nbytes) memcpy(mine, send, (size_t)nbytes);
-    return exchange_start(pair, x, theirs, mine, count, 1, 1, tag);
+    return exchange_start(pair, x, theirs, mine, count, 1, 1);
 }
 
 static int pair_reduce_scatter(Pair *pair, Exchange *x, const char *address, void *out, long long nbytes, int count,
-                               MPI_Datatype type, MPI_Op op, long long tag) {
+                               MPI_Datatype type, MPI_Op op) {
     const char *at = out;
     exchange_init(x, REDUCE_SCATTER);
     x->expected = nbytes;
@@ -511,32 +546,43 @@ static int pair_reduce_scatter(Pair *pair, Exchange *x, const char *address, voi
            scratch, no copy) */
         x->scratch = (void *)x->own;
         x->own = out;
-        return exchange_start(pair, x, out, address + nbytes * (1 - pair->rank), count, 1, 1, tag);
+        return exchange_start(pair, x, out, address + nbytes * (1 - pair->rank), count, 1, 1);
     }
     if (pair_scratch(pair, x, (size_t)nbytes) == NULL) return -1;
-    return exchange_start(pair, x, x->scratch, address + nbytes * (1 - pair->rank), count, 1, 1, tag);
+    return exchange_start(pair, x, x->scratch, address + nbytes * (1 - pair->rank), count, 1, 1);
 }
 
 static int pair_broadcast(Pair *pair, Exchange *x, void *address, long long nbytes, int count, MPI_Datatype type,
-                          int root, long long tag) {
+                          int root) {
     exchange_init(x, BROADCAST);
     x->type = type;
     if (root != pair->rank) x->expected = nbytes;
-    return exchange_start(pair, x, address, address, count, root == pair->rank, root != pair->rank, tag);
+    return exchange_start(pair, x, address, address, count, root == pair->rank, root != pair->rank);
 }
 
-/* Pair(comm_handle, rank, tag_span, mismatch) */
+/* Pair(comm, rank, tag_span, mismatch, probe): `comm` an mpi4py communicator of its own (a duplicate), which the
+   pair frees */
 static int pair_init(Pair *self, PyObject *args, PyObject *kwds) {
     PyObject *comm, *mismatch;
-    int rank;
+    int rank, probe;
     long long span;
-    if (!PyArg_ParseTuple(args, "OiLO", &comm, &rank, &span, &mismatch)) return -1;
+    if (!PyArg_ParseTuple(args, "OiLOp", &comm, &rank, &span, &mismatch, &probe)) return -1;
     if ((rank != 0 && rank != 1) || span < 1) {
         PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast.Pair: rank 0 or 1 of two, and a positive tag span");
         return -1;
     }
-    self->comm = (MPI_Comm)handle(comm);
+    if (self->comm_obj != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast.Pair: already initialised");
+        return -1;
+    }
+    PyObject *handle_obj = PyObject_GetAttrString(comm, "handle");
+    if (handle_obj == NULL) return -1;
+    self->comm = (MPI_Comm)handle(handle_obj);
+    Py_DECREF(handle_obj);
+    Py_INCREF(comm);
+    self->comm_obj = comm;
     self->rank = rank;
+    self->probe = probe;
     self->tag_span = span;
     Py_INCREF(mismatch);
     Py_XSETREF(self->mismatch, mismatch);
@@ -544,6 +590,17 @@ static int pair_init(Pair *self, PyObject *args, PyObject *kwds) {
 }
 
 static void pair_dealloc(Pair *self) {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (self->comm_obj != NULL && !finalized) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyObject *done = PyObject_CallMethod(self->comm_obj, "Free", NULL);
+        if (done == NULL) PyErr_Clear(); /* (a communicator MPI already freed: nothing left to do) */
+        Py_XDECREF(done);
+        PyErr_Restore(type, value, traceback);
+    }
+    Py_CLEAR(self->comm_obj);
     free(self->scratch);
     Py_CLEAR(self->mismatch);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -555,77 +612,73 @@ static void pair_dealloc(Pair *self) {
         return NULL;                                                                         \
     }
 
-/* allreduce(address, nbytes, datatype, op, tag, wait) */
+/* allreduce(address, nbytes, datatype, op, wait) */
 static PyObject *pair_allreduce_py(Pair *self, PyObject *const *args, Py_ssize_t nargs) {
-    ARGS(6);
+    ARGS(5);
     PAIR_READY;
     void *address = PyLong_AsVoidPtr(args[0]);
     MPI_Datatype type = (MPI_Datatype)handle(args[2]);
     int count = count_of(args[1], type);
-    long long tag = PyLong_AsLongLong(args[4]);
-    double wait = PyFloat_AsDouble(args[5]);
+    double wait = PyFloat_AsDouble(args[4]);
     Exchange x;
     if (count < 0 || PyErr_Occurred()) return NULL;
-    int rc = pair_allreduce(self, &x, address, PyLong_AsLongLong(args[1]), count, type, (MPI_Op)handle(args[3]), tag);
+    int rc = pair_allreduce(self, &x, address, PyLong_AsLongLong(args[1]), count, type, (MPI_Op)handle(args[3]));
     return rc < 0 ? NULL : exchange_outcome(self, &x, rc, wait);
 }
 
-/* allgather(send_address or 0 for in place, out_address, nbytes per rank, datatype, tag, wait) */
+/* allgather(send_address or 0 for in place, out_address, nbytes per rank, datatype, wait) */
 static PyObject *pair_allgather_py(Pair *self, PyObject *const *args, Py_ssize_t nargs) {
-    ARGS(6);
+    ARGS(5);
     PAIR_READY;
     void *send = PyLong_AsVoidPtr(args[0]), *out = PyLong_AsVoidPtr(args[1]);
     MPI_Datatype type = (MPI_Datatype)handle(args[3]);
     int count = count_of(args[2], type);
-    long long tag = PyLong_AsLongLong(args[4]);
-    double wait = PyFloat_AsDouble(args[5]);
+    double wait = PyFloat_AsDouble(args[4]);
     Exchange x;
     if (count < 0 || PyErr_Occurred()) return NULL;
-    int rc = pair_allgather(self, &x, send, out, PyLong_AsLongLong(args[2]), count, type, tag);
+    int rc = pair_allgather(self, &x, send, out, PyLong_AsLongLong(args[2]), count, type);
     return exchange_outcome(self, &x, rc, wait);
 }
 
-/* reduce_scatter(address, out_address, nbytes per rank, datatype, op, tag, wait) */
+/* reduce_scatter(address, out_address, nbytes per rank, datatype, op, wait) */
 static PyObject *pair_reduce_scatter_py(Pair *self, PyObject *const *args, Py_ssize_t nargs) {
-    ARGS(7);
+    ARGS(6);
     PAIR_READY;
     void *address = PyLong_AsVoidPtr(args[0]), *out = PyLong_AsVoidPtr(args[1]);
     MPI_Datatype type = (MPI_Datatype)handle(args[3]);
     int count = count_of(args[2], type);
-    long long tag = PyLong_AsLongLong(args[5]);
-    double wait = PyFloat_AsDouble(args[6]);
+    double wait = PyFloat_AsDouble(args[5]);
     Exchange x;
     if (count < 0 || PyErr_Occurred()) return NULL;
     int rc = pair_reduce_scatter(self, &x, address, out, PyLong_AsLongLong(args[2]), count, type,
-                                 (MPI_Op)handle(args[4]), tag);
+                                 (MPI_Op)handle(args[4]));
     return rc < 0 ? NULL : exchange_outcome(self, &x, rc, wait);
 }
 
-/* broadcast(address, nbytes, datatype, root, tag, wait) */
+/* broadcast(address, nbytes, datatype, root, wait) */
 static PyObject *pair_broadcast_py(Pair *self, PyObject *const *args, Py_ssize_t nargs) {
-    ARGS(6);
+    ARGS(5);
     PAIR_READY;
     void *address = PyLong_AsVoidPtr(args[0]);
     MPI_Datatype type = (MPI_Datatype)handle(args[2]);
     int count = count_of(args[1], type);
     int root = (int)PyLong_AsLong(args[3]);
-    long long tag = PyLong_AsLongLong(args[4]);
-    double wait = PyFloat_AsDouble(args[5]);
+    double wait = PyFloat_AsDouble(args[4]);
     Exchange x;
     if (count < 0 || PyErr_Occurred()) return NULL;
-    int rc = pair_broadcast(self, &x, address, PyLong_AsLongLong(args[1]), count, type, root, tag);
+    int rc = pair_broadcast(self, &x, address, PyLong_AsLongLong(args[1]), count, type, root);
     return exchange_outcome(self, &x, rc, wait);
 }
 
 static PyMethodDef pair_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))pair_allreduce_py, METH_FASTCALL,
-     "allreduce(address, nbytes, datatype, op, tag, wait): in place; None when done, else a Pending"},
+     "allreduce(address, nbytes, datatype, op, wait): in place; None when done, else a Pending"},
     {"allgather", (PyCFunction)(void (*)(void))pair_allgather_py, METH_FASTCALL,
-     "allgather(send_address or 0 (in place), out_address, nbytes per rank, datatype, tag, wait)"},
+     "allgather(send_address or 0 (in place), out_address, nbytes per rank, datatype, wait)"},
     {"reduce_scatter", (PyCFunction)(void (*)(void))pair_reduce_scatter_py, METH_FASTCALL,
-     "reduce_scatter(address, out_address, nbytes per rank, datatype, op, tag, wait)"},
+     "reduce_scatter(address, out_address, nbytes per rank, datatype, op, wait)"},
     {"broadcast", (PyCFunction)(void (*)(void))pair_broadcast_py, METH_FASTCALL,
-     "broadcast(address, nbytes, datatype, root, tag, wait)"},
+     "broadcast(address, nbytes, datatype, root, wait)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -637,7 +690,7 @@ static PyTypeObject PairType = {
     .tp_init = (initproc)pair_init,
     .tp_dealloc = (destructor)pair_dealloc,
     .tp_methods = pair_methods,
-    .tp_doc = "Pair(comm_handle, rank, tag_span, mismatch): a two-rank communicator's small collectives as "
+    .tp_doc = "Pair(comm, rank, tag_span, mismatch, probe): a two-rank communicator's collectives as "
               "messages (see hpdl/comm/pairs.py).",
 };
 
@@ -1062,7 +1115,7 @@ static PyObject *fast_allreduce(Fast *self, PyObject *const *args, size_t nargsf
     if (pair != NULL) {
         Exchange x;
         int rc = pair_allreduce(pair, &x, (void *)(intptr_t)address, nbytes, (int)(nbytes / self->itemsize[d]),
-                                self->types[d], self->ops[o], seq);
+                                self->types[d], self->ops[o]);
         return pair_complete(self, pair, ALLREDUCE, seq, rc, &x, tensor, NULL, tensor);
     }
     MPI_Request request;
@@ -1106,7 +1159,7 @@ static PyObject *fast_broadcast(Fast *self, PyObject *const *args, size_t nargsf
     if (pair != NULL) {
         Exchange x;
         int rc = pair_broadcast(pair, &x, (void *)(intptr_t)address, nbytes, (int)(nbytes / self->itemsize[d]),
-                                self->types[d], (int)root, seq);
+                                self->types[d], (int)root);
         return pair_complete(self, pair, BROADCAST, seq, rc, &x, tensor, NULL, tensor);
     }
     MPI_Request request;
@@ -1188,7 +1241,7 @@ static PyObject *fast_allgather(Fast *self, PyObject *const *args, size_t nargsf
     if (pair != NULL) {
         Exchange x;
         rc = pair_allgather(pair, &x, in_place ? NULL : (void *)(intptr_t)mine, (char *)(intptr_t)at, nbytes, count,
-                            self->types[d], seq);
+                            self->types[d]);
         result = pair_complete(self, pair, ALLGATHER, seq, rc, &x, tensor, out, out);
         goto done;
     }
@@ -1245,7 +1298,7 @@ static PyObject *fast_reduce_scatter(Fast *self, PyObject *const *args, size_t n
     if (pair != NULL) {
         Exchange x;
         int rc = pair_reduce_scatter(pair, &x, (const char *)(intptr_t)mine, (void *)(intptr_t)at, nbytes / 2,
-                                     (int)(nbytes / 2 / self->itemsize[d]), self->types[d], self->ops[o], seq);
+                                     (int)(nbytes / 2 / self->itemsize[d]), self->types[d], self->ops[o]);
         result = pair_complete(self, pair, REDUCE_SCATTER, seq, rc, &x, tensor, out, out);
         goto done;
     }

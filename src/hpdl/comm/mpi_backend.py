@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import types
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -286,12 +287,11 @@ class MpiCommunicator(Communicator):
     def _start_pair(self, calls: mpi_calls.Calls) -> None:
         """Two ranks: the small collectives' messages, on a duplicate of the communicator; every fast path's MPI
         call goes through the routing below (the compiled `Fast` reads `_pair` itself)."""
-        self._pair_comm = self.mpi_comm.Dup()
-        span = self.mpi_comm.Get_attr(MPI.TAG_UB) + 1
-        if calls.compiled:
-            self._pair = calls.module.Pair(calls.handle(self._pair_comm), self.rank, span, self._pair_mismatch)
-        else:
-            self._pair = pairs.Pair(self._pair_comm, self.rank, span, self._pair_mismatch)
+        span = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767) + 1  # (a predefined attribute of COMM_WORLD only)
+        probe = pairs.probe_first(library_version())
+        mismatch = functools.partial(_pair_mismatch, weakref.ref(self))  # (the pair must not keep this alive)
+        pair_type = calls.module.Pair if calls.compiled else pairs.Pair
+        self._pair = pair_type(self.mpi_comm.Dup(), self.rank, span, mismatch, probe)
         self._call_allreduce = self._routed_allreduce
         self._call_allgather = self._routed_allgather
         self._call_reduce_scatter = self._routed_reduce_scatter
@@ -300,27 +300,27 @@ class MpiCommunicator(Communicator):
 
     # The fast paths' MPI calls on a two-rank communicator: messages below the pair's limits, the collective
     # from there (bytes each way: the allreduce's or broadcast's buffer, an allgather's or reduce_scatter's
-    # block per rank, as the compiled `Fast` compares). The tag is the collective's sequence number.
+    # block per rank, as the compiled `Fast` compares).
     def _routed_allreduce(self, comm: Any, address: int, nbytes: int, datatype: Any, op: Any, wait: float) -> Any:
         if nbytes < self._pair_allreduce_below and comm == self._handle:
-            return self._pair.allreduce(address, nbytes, datatype, op, self._seq, wait)
+            return self._pair.allreduce(address, nbytes, datatype, op, wait)
         return self._calls.allreduce(comm, address, nbytes, datatype, op, wait)
 
     def _routed_allgather(self, comm: Any, send: int, out: int, nbytes: int, datatype: Any, wait: float) -> Any:
         if nbytes < self._pair_allgather_below and comm == self._handle:
-            return self._pair.allgather(send, out, nbytes, datatype, self._seq, wait)
+            return self._pair.allgather(send, out, nbytes, datatype, wait)
         return self._calls.allgather(comm, send, out, nbytes, datatype, wait)
 
     def _routed_reduce_scatter(
         self, comm: Any, address: int, out: int, nbytes: int, datatype: Any, op: Any, wait: float
     ) -> Any:  # fmt: skip
         if nbytes < self._pair_reduce_scatter_below and comm == self._handle:
-            return self._pair.reduce_scatter(address, out, nbytes, datatype, op, self._seq, wait)
+            return self._pair.reduce_scatter(address, out, nbytes, datatype, op, wait)
         return self._calls.reduce_scatter(comm, address, out, nbytes, datatype, op, wait)
 
     def _routed_broadcast(self, comm: Any, address: int, nbytes: int, datatype: Any, root: int, wait: float) -> Any:
         if nbytes < self._pair_broadcast_below and comm == self._handle:
-            return self._pair.broadcast(address, nbytes, datatype, root, self._seq, wait)
+            return self._pair.broadcast(address, nbytes, datatype, root, wait)
         return self._calls.broadcast(comm, address, nbytes, datatype, root, wait)
 
     @property
@@ -336,18 +336,6 @@ class MpiCommunicator(Communicator):
                 for op, below in self._pair_limits.items()
             )
             + " (each way; below the shared-memory thresholds)"
-        )
-
-    def _pair_mismatch(self, op: str, expected: int, received: int) -> None:
-        """A two-rank collective's message of the wrong length: the ranks passed different sizes."""
-        peer = 1 - self.rank
-        sent = f"more than {expected} B" if received < 0 else f"{received} B"
-        mine = "expected" if op == "broadcast" else "passed"
-        raise CommError(
-            f"{op} #{self._seq} on rank {self.rank} of 2: this rank {mine} {expected} B, rank {peer} sent {sent}: "
-            "the ranks passed different sizes to this collective (its result is wrong; the ranks go on, and the "
-            "agreement check names both calls at its next check). Every rank must pass the same sizes; run with "
-            "HPDL_DEBUG=1 to compare every rank's call before it runs."
         )
 
     def _path_settings(self) -> dict[str, int]:
@@ -830,7 +818,7 @@ class MpiCommunicator(Communicator):
             wire = wire.float()
         handle = self._handle_of
         request = self._pair.allreduce(
-            wire.data_ptr(), wire.nbytes, handle(_move_type(wire, "allreduce")), handle(_reduce_op(wire, op)), seq,
+            wire.data_ptr(), wire.nbytes, handle(_move_type(wire, "allreduce")), handle(_reduce_op(wire, op)),
             _NO_WAIT,
         )  # fmt: skip
 
@@ -916,7 +904,7 @@ class MpiCommunicator(Communicator):
         send = _IN_PLACE if in_place else _buffer(host, dtype)
         if paired:
             request = self._pair.allgather(
-                0 if in_place else host.data_ptr(), out_host.data_ptr(), host.nbytes, self._handle_of(dtype), seq,
+                0 if in_place else host.data_ptr(), out_host.data_ptr(), host.nbytes, self._handle_of(dtype),
                 _NO_WAIT,
             )  # fmt: skip
         elif len(set(sizes)) == 1:
@@ -945,7 +933,7 @@ class MpiCommunicator(Communicator):
         if paired:
             request = self._pair.reduce_scatter(
                 wire.data_ptr(), result.data_ptr(), result.nbytes, self._handle_of(dtype),
-                self._handle_of(_reduce_op(wire, op)), seq, _NO_WAIT,
+                self._handle_of(_reduce_op(wire, op)), _NO_WAIT,
             )  # fmt: skip
         elif low <= wire.nbytes < high:  # the same operation, through the call that is fast at these sizes
             count = result.numel()
@@ -972,7 +960,7 @@ class MpiCommunicator(Communicator):
         if nbytes < self._pair_broadcast_below:
             host = t if t.is_cpu else t.cpu()
             handle = self._handle_of(_move_type(t, "broadcast"))
-            request = self._pair.broadcast(host.data_ptr(), nbytes, handle, root, seq, _NO_WAIT)
+            request = self._pair.broadcast(host.data_ptr(), nbytes, handle, root, _NO_WAIT)
         else:
             host = self._host(t)
             request = self.mpi_comm.Ibcast(_buffer(host, _move_type(t, "broadcast")), root=root)
@@ -1045,9 +1033,7 @@ class MpiCommunicator(Communicator):
         if self._broken:
             return  # collectives may be pending; freeing would wait on them
         self._exit_comm.Free()
-        if self._pair is not None:
-            self._pair = None
-            self._pair_comm.Free()
+        self._pair = None  # its communicator goes with it, and with the last of its collectives in flight
         if self._node is not None:
             self._node.close()
             self._node.node.Free()
@@ -1114,6 +1100,20 @@ class FastTables:
         spec = (self._handle(_MOVE_TYPES[dtype]), code)
         self.broadcast[dtype, root] = spec
         return spec
+
+
+def _pair_mismatch(owner: Any, op: str, expected: int, received: int) -> None:
+    """A two-rank collective's message of the wrong length: the ranks passed different sizes."""
+    comm = owner()
+    rank, seq = (comm.rank, comm._seq) if comm is not None else (-1, -1)
+    sent = f"more than {expected} B" if received < 0 else f"{received} B"
+    mine = "expected" if op == "broadcast" else "passed"
+    raise CommError(
+        f"{op} #{seq} on rank {rank} of 2: this rank {mine} {expected} B, rank {1 - rank} sent {sent}: the ranks "
+        "passed different sizes to this collective (its result is wrong; the ranks go on, and the agreement check "
+        "names both calls at its next check). Every rank must pass the same sizes; run with HPDL_DEBUG=1 to "
+        "compare every rank's call before it runs."
+    )
 
 
 def _peer_name(src: Optional[int]) -> str:

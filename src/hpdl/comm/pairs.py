@@ -8,14 +8,21 @@ MPI_Ibcast 0.80 us against 0.24 us for MPI_Bcast and 0.13 us for one message.
 On a communicator of two ranks (the benchmark's, a 2-way mesh dimension, a
 pipeline's neighbours) the four collectives below the limits here therefore
 travel as one message each way, on a duplicate of the communicator (no user
-message can match them), tagged with the collective's sequence number (a
-message of one collective never completes another). The reduction is
+message can match them), tagged with the collective's number in the pair's
+own count, which both ranks keep in step (a message of one collective never
+completes another, also where several are in flight and a receive is posted
+only after a probe). The reduction is
 `MPI_Reduce_local` with the collective's own MPI op; every predefined op is
 commutative, so both ranks compute the same bits.
 
 A message of the wrong length (ranks that passed different sizes) is an
 error at once on the rank that receives it, where a collective could return
-with half of the values untouched.
+with half of the values untouched. Open MPI 5.0.11 writes a longer message
+than the receive's count past the end of the buffer (its truncation error
+comes after the damage: `free(): corrupted unsorted chunks`), so outside
+MPICH's family a receive is posted only once a matched probe
+(`MPI_Improbe`, `MPI_Imrecv`) has told the length, into a buffer of that
+length.
 
 Which calls go this way must be the same on every rank (a rank that sends a
 message while its peer waits in a collective would wait forever): every path
@@ -30,10 +37,10 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from hpdl.comm.env import env_number
+from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.mpi_calls import finish_briefly, memory_at
 
-__all__ = ["ANY_SIZE", "DEFAULT_BELOW", "KINDS", "Pair", "Pending", "limits"]
+__all__ = ["ANY_SIZE", "DEFAULT_BELOW", "KINDS", "Pair", "Pending", "limits", "probe_first"]
 
 KINDS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 
@@ -48,6 +55,13 @@ messages; reduce_scatter 3.32 / 27.8 / 389 / 11772 us against 1.75 / 12.3 / 291 
 way MPI_Ireduce_scatter_block took 10x); broadcast (one message) 0.38 us at 4 KiB against 0.88 us for
 MPI_Ibcast, 11 against 12 us at 1 MiB. allreduce: 1.70 against 3.00 us at 4 KiB, even at 16 KiB, slower from
 32 KiB (16.8 against 15.8 us; MPICH's allreduce splits the work there, one exchange each way cannot)."""
+
+
+def probe_first(library: str) -> bool:
+    """Whether receives wait for a matched probe: HPDL_PAIR_PROBE (1 or 0; a rank's own choice, not compared),
+    else every MPI but MPICH and its derivatives (MVAPICH, Intel MPI), whose truncation stops at the buffer's end
+    (tested on MPICH 5.0.2; Open MPI 5.0.11 overruns it)."""
+    return env_flag("HPDL_PAIR_PROBE", not library.startswith(("MPICH", "MVAPICH", "Intel")))
 
 
 def limits() -> dict[str, int]:
@@ -66,16 +80,20 @@ Mismatch = Callable[[str, int, int], None]
 class Pair:
     """The messages through mpi4py (HPDL_COMPILED=0, or no compiled module): the compiled `Pair` in
     _mpi_fast.c has the same calls, on MPI's own handles. Each call starts both messages and returns None
-    once they completed within `wait` seconds (negative: not tested), else a `Pending`."""
+    once they completed within `wait` seconds (negative: not tested), else a `Pending`. `comm` is the pair's
+    own (a duplicate): it is freed once the pair and every collective still in flight are gone."""
 
-    def __init__(self, comm: Any, rank: int, tag_span: int, mismatch: Mismatch):
+    def __init__(self, comm: Any, rank: int, tag_span: int, mismatch: Mismatch, probe: bool):
         self._comm = comm
         self._peer = 1 - rank
         self._rank = rank
         self._span = tag_span
         self._mismatch = mismatch
+        self._probe = probe
+        self._started = 0
+        """Collectives started: each one's messages are tagged with its number (both ranks count alike)."""
 
-    def allreduce(self, address: int, nbytes: int, datatype: Any, op: Any, tag: int, wait: float) -> Any:
+    def allreduce(self, address: int, nbytes: int, datatype: Any, op: Any, wait: float) -> Any:
         scratch = bytearray(nbytes)
         target = [memory_at(address, nbytes), datatype]
 
@@ -83,16 +101,16 @@ class Pair:
             if nbytes:
                 op.Reduce_local([scratch, datatype], target)
 
-        return self._exchange("allreduce", [scratch, datatype], target, nbytes, tag, wait, reduce)
+        return self._exchange("allreduce", [scratch, datatype], target, nbytes, wait, reduce)
 
-    def allgather(self, send: int, out: int, nbytes: int, datatype: Any, tag: int, wait: float) -> Any:
+    def allgather(self, send: int, out: int, nbytes: int, datatype: Any, wait: float) -> Any:
         mine = out + nbytes * self._rank
         if send and send != mine and nbytes:
             memory_at(mine, nbytes)[:] = memory_at(send, nbytes)
         theirs = [memory_at(out + nbytes * self._peer, nbytes), datatype]
-        return self._exchange("allgather", theirs, [memory_at(mine, nbytes), datatype], nbytes, tag, wait, None)
+        return self._exchange("allgather", theirs, [memory_at(mine, nbytes), datatype], nbytes, wait, None)
 
-    def reduce_scatter(self, address: int, out: int, nbytes: int, datatype: Any, op: Any, tag: int, wait: float) -> Any:
+    def reduce_scatter(self, address: int, out: int, nbytes: int, datatype: Any, op: Any, wait: float) -> Any:
         own = [memory_at(address + nbytes * self._rank, nbytes), datatype]
         target = [memory_at(out, nbytes), datatype]
         send = [memory_at(address + nbytes * self._peer, nbytes), datatype]
@@ -102,7 +120,7 @@ class Pair:
                 if nbytes:
                     op.Reduce_local(own, target)
 
-            return self._exchange("reduce_scatter", target, send, nbytes, tag, wait, reduce_into_output)
+            return self._exchange("reduce_scatter", target, send, nbytes, wait, reduce_into_output)
         scratch = [bytearray(nbytes), datatype]
 
         def reduce() -> None:
@@ -110,36 +128,52 @@ class Pair:
                 target[0][:] = own[0]
                 op.Reduce_local(scratch, target)
 
-        return self._exchange("reduce_scatter", scratch, send, nbytes, tag, wait, reduce)
+        return self._exchange("reduce_scatter", scratch, send, nbytes, wait, reduce)
 
-    def broadcast(self, address: int, nbytes: int, datatype: Any, root: int, tag: int, wait: float) -> Any:
+    def broadcast(self, address: int, nbytes: int, datatype: Any, root: int, wait: float) -> Any:
         buffer = [memory_at(address, nbytes), datatype]
         if root == self._rank:
-            return self._exchange("broadcast", None, buffer, nbytes, tag, wait, None)
-        return self._exchange("broadcast", buffer, None, nbytes, tag, wait, None)
+            return self._exchange("broadcast", None, buffer, nbytes, wait, None)
+        return self._exchange("broadcast", buffer, None, nbytes, wait, None)
 
     def _exchange(
-        self, kind: str, recv: Any, send: Any, nbytes: int, tag: int, wait: float, reduce: Any
+        self, kind: str, recv: Any, send: Any, nbytes: int, wait: float, reduce: Any
     ) -> Any:  # fmt: skip
-        tag %= self._span
+        tag = self._started % self._span
+        self._started += 1
         requests = []
-        if recv is not None:
+        probe = None
+        if recv is not None and self._probe:
+            requests.append(MPI.REQUEST_NULL)
+            probe = (self._comm, self._peer, tag, recv[0])
+        elif recv is not None:
             requests.append(self._comm.Irecv(recv, self._peer, tag))
         if send is not None:
             requests.append(self._comm.Isend(send, self._peer, tag))
-        pending = Pending(kind, requests, nbytes if recv is not None else -1, reduce, self._mismatch)
+        pending = Pending(self, kind, requests, nbytes if recv is not None else -1, reduce, self._mismatch, probe)
         if wait < 0:
             return pending
         return None if pending.wait_briefly(wait) else pending
+
+    def __del__(self) -> None:
+        if not MPI.Is_finalized():
+            self._comm.Free()
 
 
 class Pending:
     """A pair's collective in flight: `Test()` until True (then the result is in place; a message of the wrong
     length raises through `mismatch`)."""
 
-    __slots__ = ("_kind", "_requests", "_expected", "_reduce", "_mismatch", "_status", "_received", "_done")
+    __slots__ = (
+        "_pair", "_kind", "_requests", "_expected", "_reduce", "_mismatch", "_status", "_received", "_done", "_probe"
+    )  # fmt: skip
 
-    def __init__(self, kind: str, requests: list, expected: int, reduce: Any, mismatch: Mismatch):
+    def __init__(
+        self, pair: Pair, kind: str, requests: list, expected: int, reduce: Any, mismatch: Mismatch, probe: Any
+    ):  # fmt: skip
+        self._pair = pair  # (kept alive: its communicator)
+        self._probe = probe
+        """(communicator, peer, tag, buffer) of a receive that waits for its matched probe, or None"""
         self._kind = kind
         self._requests = requests
         self._expected = expected
@@ -155,6 +189,15 @@ class Pending:
     def Test(self) -> bool:  # noqa: N802 (the name of mpi4py's Request.Test, which Work calls)
         if self._done:
             return True
+        if self._probe is not None:
+            comm, peer, tag, buffer = self._probe
+            message = comm.Improbe(peer, tag, self._status)
+            if message is None:
+                return False
+            self._probe = None
+            nbytes = self._status.Get_count(MPI.BYTE)
+            into = buffer if nbytes <= self._expected else bytearray(nbytes)  # a longer one: its own buffer
+            self._requests[0] = message.Irecv([into, nbytes, MPI.BYTE])
         for i, request in enumerate(self._requests):
             if request == MPI.REQUEST_NULL:
                 continue
