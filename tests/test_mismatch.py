@@ -31,9 +31,12 @@ def mismatched(comm, kind):
     except CollectiveMismatchError as exc:  # the check ran at this very call
         return "", str(exc)
     except CommError as exc:
-        at_once = str(exc)
-    else:
-        at_once = ""
+        return _then_the_check(comm, str(exc))
+    return _then_the_check(comm, "")
+
+
+def _then_the_check(comm, at_once):
+    """(`at_once`, the agreement check's error within CALLS_AFTER matched calls, or "no error")"""
     try:
         for _ in range(CALLS_AFTER):
             comm.allreduce(torch.ones(1))
@@ -66,17 +69,11 @@ def _mismatched_call(comm, kind):
 def broadcast_of_different_sizes(comm, n):
     """MPICH fails a receiver whose count differs from the root's at once (in its own words); the root's call
     returns. The ranks go on, and the agreement check then names both calls on every rank."""
-    at_once = ""
     try:
         comm.broadcast(torch.ones(n * (1 + (comm.rank == comm.size - 1))), root=0)
     except CommError as exc:
-        at_once = str(exc)
-    try:
-        for _ in range(CALLS_AFTER):
-            comm.allreduce(torch.ones(1))
-    except CollectiveMismatchError as exc:
-        return at_once, str(exc)
-    return at_once, "no error"
+        return _then_the_check(comm, str(exc))
+    return _then_the_check(comm, "")
 
 
 def mismatched_off_the_check(comm, kind):
@@ -104,6 +101,23 @@ def short_message(comm):
     return "no error"
 
 
+def long_message(comm):
+    """A message longer than the receiving tensor, between tensors that must stay untouched."""
+    if comm.rank == 0:
+        comm.send(torch.ones(2000), 1)
+        return "sent", True, True
+    if comm.rank == 1:
+        around = [torch.full((1000,), 7.0) for _ in range(20)]
+        t = torch.zeros(1000)
+        try:
+            comm.recv(t, 0)
+            error = "no error"
+        except CommError as exc:
+            error = str(exc)
+        return error, bool(t.eq(0).all()), all(bool(a.eq(7).all()) for a in around)
+    return "", True, True
+
+
 def still_healthy(comm):
     return [comm.allreduce(torch.ones(2)).tolist() for _ in range(2 * CALLS_AFTER)][-1]
 
@@ -126,7 +140,7 @@ AT_ONCE = {
 }
 """Two ranks, sizes that differ: each rank's own words at the mismatched call (its messages' lengths differ). The
 receiver of the longer message says "more than 4000 B" (MPI's truncation) or, where it probes first (outside
-MPICH, or HPDL_PAIR_PROBE=1), "8000 B"."""
+MPICH, or HPDL_PROBE_FIRST=1), "8000 B"."""
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -144,14 +158,14 @@ def test_mismatch_is_an_error_within_the_check_period(ranks, kind):
 
 @pytest.mark.parametrize(
     "env",
-    [{}, {"HPDL_PAIR_PROBE": "1"}, {"HPDL_PAIR_PROBE": "1", "HPDL_COMPILED": "0"}],
+    [{}, {"HPDL_PROBE_FIRST": "1"}, {"HPDL_PROBE_FIRST": "1", "HPDL_COMPILED": "0"}],
     ids=["compiled", "probe", "mpi4py-probe"],
 )
 def test_sizes_that_differ_are_an_error_at_the_call_itself_on_two_ranks(ranks, env):
     """Two ranks (pairs.py): both ranks raise at the mismatched call, before its values reach the caller, and
     still agree on what comes next (the check then names both calls). Probing first, the receiver of the longer
     message knows its length and nothing lands past its buffer (Open MPI's truncation overruns it)."""
-    probed = env.get("HPDL_PAIR_PROBE") == "1" or local_mpiexec()[1] == "openmpi"
+    probed = env.get("HPDL_PROBE_FIRST") == "1" or local_mpiexec()[1] == "openmpi"
     longer = "rank 1 sent 8000 B" if probed else "rank 1 sent more than 4000 B"
     pool = ranks("mpi", 2, env=env)
     for rank, (at_once, check) in enumerate(pool.run(mismatched_off_the_check, "allreduce size")):
@@ -169,11 +183,27 @@ def test_barrier_checks_and_the_ranks_keep_working(ranks):
     assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
 
 
-def test_short_message_is_an_error_on_the_receiver(ranks):
-    sent, received = ranks("mpi", 2).run(short_message, expect_errors=True)
+PROBING = [{}, {"HPDL_PROBE_FIRST": "1"}]
+"""MPICH's receive at once, and the receive after a matched probe that Open MPI needs (and takes by default)."""
+
+
+@pytest.mark.parametrize("env", PROBING, ids=["receive", "probe first"])
+def test_short_message_is_an_error_on_the_receiver(ranks, env):
+    sent, received = ranks("mpi", 2, env=env).run(short_message, expect_errors=True)
     assert sent == "no error"
     assert isinstance(received, RankError) and received.type_name == "CommError", received
     assert "sent 16 B" in received.message and "8 x float32 (32 B)" in received.message
+
+
+@pytest.mark.parametrize("env", PROBING, ids=["receive", "probe first"])
+def test_long_message_is_an_error_on_the_receiver_and_writes_nothing_past_the_tensor(ranks, env):
+    """Found on Open MPI 5.0.11: its truncation error came after it had written the whole message past the
+    receiving tensor (`malloc(): invalid size`); there hpdl receives only after a probe told the length."""
+    _, (error, tensor_untouched, others_untouched) = ranks("mpi", 2, env=env).run(long_message)
+    assert error.startswith("recv from 0") and ("sent 8000 B" in error or "truncated" in error), error
+    if env or local_mpiexec()[1] == "openmpi":  # the probe knows the length: the whole story, nothing written
+        assert "sent 8000 B" in error and "nothing was written" in error and tensor_untouched, error
+    assert others_untouched  # (MPICH may fill the tensor with the message's first 4000 B: allowed)
 
 
 @pytest.mark.parametrize("n", [1000, 300_000])

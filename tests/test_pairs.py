@@ -19,8 +19,8 @@ DTYPES = (torch.float32, torch.float64, torch.int32, torch.float16, torch.bool)
 MESSAGES = {
     "compiled": {},
     "mpi4py": {"HPDL_COMPILED": "0"},
-    "compiled, probing first": {"HPDL_PAIR_PROBE": "1"},
-    "mpi4py, probing first": {"HPDL_COMPILED": "0", "HPDL_PAIR_PROBE": "1"},
+    "compiled, probing first": {"HPDL_PROBE_FIRST": "1"},
+    "mpi4py, probing first": {"HPDL_COMPILED": "0", "HPDL_PROBE_FIRST": "1"},
 }
 COLLECTIVES = {"HPDL_PAIR_BYTES": "0"}
 

@@ -984,6 +984,22 @@ static PyObject *keep_of(PyObject *a, PyObject *b) {
     return PyTuple_Pack(2, a, b);
 }
 
+/* The bounded wait of an operation still running (`request_obj`, stolen: a Request or Pending), or the error of
+   MPI code `rc` (`request_obj` None), through comm._fast_slow; then the result (a new reference). */
+static PyObject *slow_path(Fast *self, int kind, long long seq, PyObject *request_obj, int rc, PyObject *keep_a,
+                           PyObject *keep_b, PyObject *result) {
+    PyObject *keep = keep_of(keep_a, keep_b);
+    if (keep == NULL) {
+        Py_DECREF(request_obj);
+        return NULL;
+    }
+    PyObject *done = PyObject_CallFunction(self->slow, "OLNNi", s_kind_names[kind], seq, keep, request_obj, rc);
+    if (done == NULL) return NULL;
+    Py_DECREF(done);
+    Py_INCREF(result);
+    return result;
+}
+
 static PyObject *complete(Fast *self, int kind, long long seq, int rc, MPI_Request request, PyObject *keep_a,
                           PyObject *keep_b, PyObject *result) {
     int flag = 0;
@@ -998,16 +1014,7 @@ static PyObject *complete(Fast *self, int kind, long long seq, int rc, MPI_Reque
         if (request_obj == NULL) return NULL;
     } else
         Py_INCREF(request_obj);
-    PyObject *keep = keep_of(keep_a, keep_b);
-    if (keep == NULL) {
-        Py_DECREF(request_obj);
-        return NULL;
-    }
-    PyObject *done = PyObject_CallFunction(self->slow, "OLNNi", s_kind_names[kind], seq, keep, request_obj, rc);
-    if (done == NULL) return NULL;
-    Py_DECREF(done);
-    Py_INCREF(result);
-    return result;
+    return slow_path(self, kind, seq, request_obj, rc, keep_a, keep_b, result);
 }
 
 /* The communicator's Pair when it takes a message of `nbytes` of this kind (each way: the allreduce's buffer, an
@@ -1047,16 +1054,7 @@ static PyObject *pair_complete(Fast *self, Pair *pair, int kind, long long seq, 
         exchange_release(x);
         Py_INCREF(request_obj);
     }
-    PyObject *keep = keep_of(keep_a, keep_b);
-    if (keep == NULL) {
-        Py_DECREF(request_obj);
-        return NULL;
-    }
-    PyObject *done = PyObject_CallFunction(self->slow, "OLNNi", s_kind_names[kind], seq, keep, request_obj, rc);
-    if (done == NULL) return NULL;
-    Py_DECREF(done);
-    Py_INCREF(result);
-    return result;
+    return slow_path(self, kind, seq, request_obj, rc, keep_a, keep_b, result);
 }
 
 #define READY                                                                                   \

@@ -247,6 +247,8 @@ class MpiCommunicator(Communicator):
         self._call_recv = calls.recv
         self._calls = calls
         self._handle_of = calls.handle
+        self._probe_first = pairs.probe_first(library_version())
+        """Receive only once a matched probe told the message's length (outside MPICH: see pairs.probe_first)."""
         if any(self._pair_limits.values()):
             self._start_pair(calls)
         self._slots = self._progress.slots
@@ -288,10 +290,9 @@ class MpiCommunicator(Communicator):
         """Two ranks: the small collectives' messages, on a duplicate of the communicator; every fast path's MPI
         call goes through the routing below (the compiled `Fast` reads `_pair` itself)."""
         span = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767) + 1  # (a predefined attribute of COMM_WORLD only)
-        probe = pairs.probe_first(library_version())
         mismatch = functools.partial(_pair_mismatch, weakref.ref(self))  # (the pair must not keep this alive)
         pair_type = calls.module.Pair if calls.compiled else pairs.Pair
-        self._pair = pair_type(self.mpi_comm.Dup(), self.rank, span, mismatch, probe)
+        self._pair = pair_type(self.mpi_comm.Dup(), self.rank, span, mismatch, self._probe_first)
         self._call_allreduce = self._routed_allreduce
         self._call_allgather = self._routed_allgather
         self._call_reduce_scatter = self._routed_reduce_scatter
@@ -579,7 +580,7 @@ class MpiCommunicator(Communicator):
         return super().send(tensor, dst, tag=tag, async_op=async_op)
 
     def recv(self, tensor: Any, src: Optional[int], *, tag: int = 0, async_op: bool = False) -> Any:
-        if type(tensor) is _Tensor and type(src) is int and self._plain and not async_op:
+        if type(tensor) is _Tensor and type(src) is int and self._plain and not async_op and not self._probe_first:
             spec = self._fast_move.get(tensor.dtype)
             if (
                 spec is not None and 0 <= src < self.size and src != self.rank
@@ -983,6 +984,8 @@ class MpiCommunicator(Communicator):
 
     def _recv(self, t: torch.Tensor, src: Optional[int], tag: int) -> Work:
         host = self._host(t)
+        if self._probe_first:
+            return self._recv_after_probe(t, host, src, tag)
         source = MPI.ANY_SOURCE if src is None else src
         request = self.mpi_comm.Irecv(_buffer(host, _move_type(t, "recv")), source=source, tag=tag)
         status = MPI.Status()
@@ -996,6 +999,35 @@ class MpiCommunicator(Communicator):
         def finish() -> torch.Tensor:
             work.source = status.Get_source()
             if status.Get_count(MPI.BYTE) != t.numel() * t.element_size():
+                raise _short_message(status.Get_count(MPI.BYTE), work.source, tag, t)
+            return _copy_back(t, host)
+
+        work = Work(self, f"recv from {_peer_name(src)}", -1, test, finish, keep=host)
+        return work
+
+    def _recv_after_probe(self, t: torch.Tensor, host: torch.Tensor, src: Optional[int], tag: int) -> Work:
+        """A receive posted once a matched probe has told the message's length, into a buffer that holds it: Open MPI
+        5.0.11 writes a message longer than the receive's count past the end of the tensor (pairs.probe_first)."""
+        status = MPI.Status()
+        nbytes = t.numel() * t.element_size()
+        matched: list[Any] = []  # the receive, once the probe matched its message
+
+        def test() -> bool:
+            try:
+                if not matched:
+                    message = self.mpi_comm.Improbe(MPI.ANY_SOURCE if src is None else src, tag, status)
+                    if message is None:
+                        return False
+                    got = status.Get_count(MPI.BYTE)
+                    into = _buffer(host, _move_type(t, "recv")) if got <= nbytes else [bytearray(got), MPI.BYTE]
+                    matched.append(message.Irecv(into))
+                return bool(matched[0].Test(status))
+            except MPI.Exception as exc:
+                raise _recv_error(exc, src, tag, t) from None
+
+        def finish() -> torch.Tensor:
+            work.source = status.Get_source()
+            if status.Get_count(MPI.BYTE) != nbytes:
                 raise _short_message(status.Get_count(MPI.BYTE), work.source, tag, t)
             return _copy_back(t, host)
 
@@ -1129,10 +1161,12 @@ def _recv_error(exc: Exception, src: Optional[int], tag: int, t: torch.Tensor) -
 
 
 def _short_message(got: int, src: int, tag: int, t: torch.Tensor) -> CommError:
+    nbytes = t.numel() * t.element_size()
+    what = "the rest of the tensor would hold stale values" if got < nbytes else "nothing was written into it"
     return CommError(
         f"recv from {src} (tag {tag}): rank {src} sent {got} B, but this rank receives into {t.numel()} x "
-        f"{agreement.dtype_name(t.dtype)} ({t.numel() * t.element_size()} B); the rest of the tensor would hold "
-        "stale values. The sender's tensor must have the receiver's shape and dtype."
+        f"{agreement.dtype_name(t.dtype)} ({nbytes} B); {what}. The sender's tensor must have the receiver's "
+        "shape and dtype."
     )
 
 

@@ -58,10 +58,10 @@ MPI_Ibcast, 11 against 12 us at 1 MiB. allreduce: 1.70 against 3.00 us at 4 KiB,
 
 
 def probe_first(library: str) -> bool:
-    """Whether receives wait for a matched probe: HPDL_PAIR_PROBE (1 or 0; a rank's own choice, not compared),
-    else every MPI but MPICH and its derivatives (MVAPICH, Intel MPI), whose truncation stops at the buffer's end
-    (tested on MPICH 5.0.2; Open MPI 5.0.11 overruns it)."""
-    return env_flag("HPDL_PAIR_PROBE", not library.startswith(("MPICH", "MVAPICH", "Intel")))
+    """Whether the mpi backend's receives (these messages, `recv`) wait for a matched probe: HPDL_PROBE_FIRST (1 or
+    0; a rank's own choice, not compared), else every MPI but MPICH and its derivatives (MVAPICH, Intel MPI), whose
+    truncation stops at the buffer's end (tested on MPICH 5.0.2; Open MPI 5.0.11 overruns it)."""
+    return env_flag("HPDL_PROBE_FIRST", not library.startswith(("MPICH", "MVAPICH", "Intel")))
 
 
 def limits() -> dict[str, int]:
