@@ -82,6 +82,10 @@ def mismatched_off_the_check(comm, kind):
     return mismatched(comm, kind)
 
 
+def probing_and_mismatched(comm, kind):
+    return comm._probe_first, mismatched_off_the_check(comm, kind)
+
+
 def barrier_after_mismatch(comm):
     try:
         comm.allreduce(torch.ones(3 + (comm.rank == 0)))
@@ -165,10 +169,11 @@ def test_sizes_that_differ_are_an_error_at_the_call_itself_on_two_ranks(ranks, e
     """Two ranks (pairs.py): both ranks raise at the mismatched call, before its values reach the caller, and
     still agree on what comes next (the check then names both calls). Probing first, the receiver of the longer
     message knows its length and nothing lands past its buffer (Open MPI's truncation overruns it)."""
-    probed = env.get("HPDL_PROBE_FIRST") == "1" or local_mpiexec()[1] == "openmpi"
-    longer = "rank 1 sent 8000 B" if probed else "rank 1 sent more than 4000 B"
     pool = ranks("mpi", 2, env=env)
-    for rank, (at_once, check) in enumerate(pool.run(mismatched_off_the_check, "allreduce size")):
+    for rank, (probed, (at_once, check)) in enumerate(pool.run(probing_and_mismatched, "allreduce size")):
+        if env.get("HPDL_PROBE_FIRST") == "1" or local_mpiexec()[1] == "openmpi":
+            assert probed
+        longer = "rank 1 sent 8000 B" if probed else "rank 1 sent more than 4000 B"
         assert "allreduce #" in at_once and AT_ONCE["allreduce size"][rank] in at_once, at_once
         assert rank == 1 or longer in at_once, at_once
         assert "on 4000 B" in check and "on 8000 B" in check, check
