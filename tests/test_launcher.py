@@ -149,6 +149,9 @@ def test_info_reports_versions_backends_and_launcher():
     assert "GPU" in info["cuda"]["mpi backend GPU path"]
     assert "THP_MEM_ALLOC_ENABLE" in info["memory"]["torch tensors >= 2 MB on huge pages"]
     assert "built-in" in info["shm thresholds"] and "hpdl tune" in info["shm thresholds"]  # conftest: file off
+    assert info["two-rank collectives as messages"].startswith("allreduce below 32768 B; allgather every size")
+    probes = not info["mpi library"].startswith(("MPICH", "Intel", "MVAPICH"))
+    assert info["mpi receives"].startswith("after a matched probe" if probes else "at once"), info["mpi receives"]
     room = info["shared memory for windows"]  # (no /dev/shm off Linux: not checked)
     assert re.fullmatch(r"\d+ MB free in /dev/shm|little: .*--shm-size.*|not checked \(no /dev/shm\)", room), room
     if os.path.isdir("/dev/shm"):  # the one above, and any a killed job of another test left

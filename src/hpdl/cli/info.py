@@ -94,7 +94,7 @@ def _mpi_info() -> dict[str, Any]:
         mpiexec = find_mpiexec()
     except FileNotFoundError as exc:
         mpiexec = f"not found ({exc})"
-    from hpdl.comm import mpi_calls, shm
+    from hpdl.comm import mpi_calls, pairs, shm
 
     if shm.enabled():
         shared = (
@@ -117,6 +117,10 @@ def _mpi_info() -> dict[str, Any]:
         "leftover MPI files in /dev/shm": _leftovers(),
         **_thresholds(library_version()),
         "mpi fast-path calls": mpi_calls.select()[1],
+        "two-rank collectives as messages": pairs.describe(pairs.limits()),
+        "mpi receives": "after a matched probe (Open MPI overruns a receive buffer; HPDL_PROBE_FIRST)"
+        if pairs.probe_first(library_version())
+        else "at once (HPDL_PROBE_FIRST=1: after a matched probe)",
     }
 
 

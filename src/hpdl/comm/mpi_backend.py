@@ -329,15 +329,7 @@ class MpiCommunicator(Communicator):
         """Which collectives travel as messages (two ranks: pairs.py), in words."""
         if self.size != 2:
             return f"none ({self.size} ranks: MPI's collectives)"
-        if self._pair is None:
-            return "none (HPDL_PAIR_BYTES=0)"
-        return (
-            "; ".join(
-                f"{op} {'every size' if below >= pairs.ANY_SIZE else f'below {below} B'}"
-                for op, below in self._pair_limits.items()
-            )
-            + " (each way; below the shared-memory thresholds)"
-        )
+        return pairs.describe(self._pair_limits if self._pair is not None else dict.fromkeys(pairs.KINDS, 0))
 
     def _path_settings(self) -> dict[str, int]:
         """What decides, per call, which path a collective takes and how: every rank must read the same."""

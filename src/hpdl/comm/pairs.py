@@ -40,7 +40,7 @@ from mpi4py import MPI
 from hpdl.comm.env import env_flag, env_number
 from hpdl.comm.mpi_calls import finish_briefly, memory_at
 
-__all__ = ["ANY_SIZE", "DEFAULT_BELOW", "KINDS", "Pair", "Pending", "limits", "probe_first"]
+__all__ = ["ANY_SIZE", "DEFAULT_BELOW", "KINDS", "Pair", "Pending", "describe", "limits", "probe_first"]
 
 KINDS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 
@@ -71,6 +71,19 @@ def limits() -> dict[str, int]:
     if chosen < 0:
         return dict(DEFAULT_BELOW)
     return dict.fromkeys(KINDS, chosen)
+
+
+def describe(limits: dict[str, int]) -> str:
+    """The limits in words (`hpdl info`, the benchmark's header)."""
+    if not any(limits.values()):
+        return "none (HPDL_PAIR_BYTES=0): MPI's collectives"
+    return (
+        "; ".join(
+            f"{op} {'every size' if below >= ANY_SIZE else f'below {below} B' if below else 'never'}"
+            for op, below in limits.items()
+        )
+        + " (each way; below the shared-memory thresholds)"
+    )
 
 
 Mismatch = Callable[[str, int, int], None]
