@@ -1129,11 +1129,11 @@ class FastTables:
 def _pair_mismatch(owner: Any, op: str, expected: int, received: int) -> None:
     """A two-rank collective's message of the wrong length: the ranks passed different sizes."""
     comm = owner()
-    rank, seq = (comm.rank, comm._seq) if comm is not None else (-1, -1)
+    where, peer = (f"{op} #{comm._seq} on rank {comm.rank} of 2", f"rank {1 - comm.rank}") if comm else (op, "its peer")
     sent = f"more than {expected} B" if received < 0 else f"{received} B"
     mine = "expected" if op == "broadcast" else "passed"
     raise CommError(
-        f"{op} #{seq} on rank {rank} of 2: this rank {mine} {expected} B, rank {1 - rank} sent {sent}: the ranks "
+        f"{where}: this rank {mine} {expected} B, {peer} sent {sent}: the ranks "
         "passed different sizes to this collective (its result is wrong; the ranks go on, and the agreement check "
         "names both calls at its next check). Every rank must pass the same sizes; run with HPDL_DEBUG=1 to "
         "compare every rank's call before it runs."
