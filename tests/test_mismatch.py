@@ -180,16 +180,30 @@ def test_sizes_that_differ_are_an_error_at_the_call_itself_on_two_ranks(ranks, e
     assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
 
 
+PROBING = [{}, {"HPDL_PROBE_FIRST": "1"}]
+"""MPICH's receive at once, and the receive after a matched probe that Open MPI needs (and takes by default)."""
+
+
+@pytest.mark.parametrize("env", PROBING, ids=["receive", "probe first"])
+def test_sizes_that_differ_on_four_ranks_end_every_rank_without_a_hang(ranks, env):
+    """Four ranks (recursive doubling over messages): the ranks that receive a message of the wrong length go on
+    with their own values through every step, so that no rank waits forever, then raise; every rank's check
+    names both calls within the period."""
+    pool = ranks("mpi", 4, env=env)
+    results = pool.run(mismatched_off_the_check, "allreduce size", timeout=60)
+    for at_once, check in results:
+        assert "on 4000 B" in check and "on 8000 B" in check, check
+        assert at_once == "" or ("different sizes" in at_once and "allreduce #" in at_once), at_once
+    assert sum(bool(at_once) for at_once, _ in results) >= 2  # the last rank and its first partner at least
+    assert pool.run(still_healthy) == [[4.0, 4.0]] * 4
+
+
 def test_barrier_checks_and_the_ranks_keep_working(ranks):
     pool = ranks("mpi", 2)
     for error in pool.run(barrier_after_mismatch, expect_errors=True):
         assert isinstance(error, RankError) and error.type_name == "CollectiveMismatchError", error
         assert "on 16 B" in error.message and "on 12 B" in error.message
     assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
-
-
-PROBING = [{}, {"HPDL_PROBE_FIRST": "1"}]
-"""MPICH's receive at once, and the receive after a matched probe that Open MPI needs (and takes by default)."""
 
 
 @pytest.mark.parametrize("env", PROBING, ids=["receive", "probe first"])

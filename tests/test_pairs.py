@@ -119,3 +119,44 @@ def mixed_waits(comm):
 def test_async_and_blocking_calls_meet(ranks):
     for env in MESSAGES.values():
         assert ranks("mpi", 2, env=env).run(mixed_waits) == [[1.0, 2.0, 3.0]] * 2
+
+
+def allreduce_on_many(comm):
+    """Exact values (small integers: any order of summation gives the same) and random floats (the ranks must hold
+    the same bits, whatever the order), blocking and async, every op."""
+    rank, out = comm.rank, {}
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.float16):
+        for n in (0, 1, 7, 1000, 3000):
+            mine = ((torch.arange(n) * 7 + rank * 3) % 11).to(dtype)
+            for op in ops_for(dtype):
+                out["allreduce", op, dtype, n] = comm.allreduce(mine.clone(), op)
+            out["async", dtype, n] = comm.allreduce(mine.clone(), async_op=True).wait()
+    noise = torch.randn(777, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    out["floats"] = comm.allreduce(noise)
+    return out
+
+
+def test_an_allreduce_on_four_ranks_travels_as_messages_and_equals_the_collective(ranks):
+    """Recursive doubling (pairs.py) on 4 ranks: the collective's results on exact values, and the same bits on
+    every rank where the order of a float sum matters."""
+    reference = ranks("mpi", 4, env=COLLECTIVES).run(allreduce_on_many)
+    for env in MESSAGES.values():
+        got = ranks("mpi", 4, env=env).run(allreduce_on_many)
+        for rank in range(4):
+            for key, expected in reference[rank].items():
+                if key == "floats":
+                    assert torch.equal(got[rank][key], got[0][key])  # every rank the same bits
+                    assert torch.allclose(got[rank][key], expected, rtol=0, atol=1e-12)
+                else:
+                    assert torch.equal(got[rank][key], expected), (env, rank, key)
+
+
+def four_rank_state(comm):
+    pairs = comm.split(comm.rank // 2, comm.rank)
+    below = [comm._pair_allreduce_below, comm._pair_allgather_below, comm._pair_reduce_scatter_below]
+    return type(comm._pair).__name__, below, type(pairs._pair).__name__
+
+
+def test_four_ranks_take_the_allreduce_alone_as_messages(ranks):
+    for name, below, of_two in ranks("mpi", 4).run(four_rank_state):
+        assert name == "Pair" and below == [16 * 1024, 0, 0] and of_two == "Pair"

@@ -117,7 +117,8 @@ def _mpi_info() -> dict[str, Any]:
         "leftover MPI files in /dev/shm": _leftovers(),
         **_thresholds(library_version()),
         "mpi fast-path calls": mpi_calls.select()[1],
-        "two-rank collectives as messages": pairs.describe(pairs.limits()),
+        "two-rank collectives as messages": pairs.describe(pairs.limits(2)),
+        "allreduce on 4, 8, ... ranks as messages": pairs.describe(pairs.limits(4)),
         "mpi receives": "after a matched probe (Open MPI overruns a receive buffer; HPDL_PROBE_FIRST)"
         if pairs.probe_first(library_version())
         else "at once (HPDL_PROBE_FIRST=1: after a matched probe)",

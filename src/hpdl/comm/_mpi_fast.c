@@ -270,12 +270,15 @@ typedef struct {
     void *recv_at;  /* (probing) where it lands when it fits */
     void *overflow; /* (probing) a longer message's own buffer, freed with the exchange */
     MPI_Comm comm;
-    int peer, tag;
+    int peer, tag, rank, probe;
+    int step, steps;          /* an allreduce on 2^steps ranks: recursive doubling, partner rank ^ 2^step */
+    long long bad_received;   /* the first step's message of the wrong length (its bytes; -1 longer), or -2 */
+    int bad_peer;
 } Exchange;
 
 typedef struct {
     PyObject_HEAD MPI_Comm comm;
-    int rank;
+    int rank, size;     /* size: 2, or (allreduce only) a larger power of two */
     int probe;          /* receive after a matched probe: Open MPI 5.0.11 writes a longer message past the buffer */
     long long tag_span; /* tags count this pair's collectives modulo MPI_TAG_UB + 1 */
     unsigned long long started; /* collectives started: both ranks start the same ones in the same order */
@@ -300,6 +303,8 @@ static void exchange_init(Exchange *x, int kind) {
     x->kind = kind;
     x->expected = -1;
     x->error = MPI_SUCCESS;
+    x->steps = 1;
+    x->bad_received = -2;
 }
 
 #define SCRATCH_KEPT (1 << 20) /* bytes: a larger scratch buffer is the exchange's own, freed when it completes */
@@ -332,7 +337,7 @@ static int is_truncation(int rc) {
 }
 
 /* Test both messages once: 1 when both are complete. */
-static int exchange_test(Exchange *x) {
+static int exchange_test_step(Exchange *x) {
     int flag = 0;
     if (x->probing) {
         MPI_Message message;
@@ -375,6 +380,52 @@ static int exchange_test(Exchange *x) {
     return !x->probing && x->recv == MPI_REQUEST_NULL && x->send == MPI_REQUEST_NULL;
 }
 
+/* Post one step's messages: the receive (at once, or after its probe), then the send. MPI's return code. */
+static int exchange_post(Exchange *x, void *recv_at, const void *send_from, int send_count, int to_peer,
+                         int from_peer) {
+    int rc = MPI_SUCCESS;
+    if (from_peer && x->probe) {
+        x->probing = 1;
+        x->recv_at = recv_at;
+    } else if (from_peer) {
+        int element = 0;
+        MPI_Type_size(x->type, &element);
+        rc = MPI_Irecv(recv_at, (int)(x->expected / (element ? element : 1)), x->type, x->peer, x->tag, x->comm,
+                       &x->recv);
+    }
+    if (rc == MPI_SUCCESS && to_peer) {
+        rc = MPI_Isend(send_from, send_count, x->type, x->peer, x->tag, x->comm, &x->send);
+        if (rc != MPI_SUCCESS && x->recv != MPI_REQUEST_NULL) { /* nothing may arrive in the scratch later */
+            MPI_Cancel(&x->recv);
+            MPI_Wait(&x->recv, MPI_STATUS_IGNORE);
+        }
+    }
+    return rc;
+}
+
+/* Test the exchange once: 1 when complete. An allreduce on more than two ranks reduces each step's message as
+   it completes and starts the next step; a message of the wrong length is remembered (the first), and the
+   steps go on with this rank's own values, so that every rank finishes the collective (the caller raises). */
+static int exchange_test(Exchange *x) {
+    for (;;) {
+        int done = exchange_test_step(x);
+        if (!done || x->step + 1 >= x->steps || x->error != MPI_SUCCESS) return done;
+        if (x->received != x->expected && x->bad_received == -2) {
+            x->bad_received = x->received;
+            x->bad_peer = x->peer;
+        } else if (x->received == x->expected && x->count) {
+            int rc = MPI_Reduce_local(x->scratch, x->target, x->count, x->type, x->op);
+            if (rc != MPI_SUCCESS) x->error = rc;
+        }
+        free(x->overflow);
+        x->overflow = NULL;
+        x->step++;
+        x->peer = x->rank ^ (1 << x->step);
+        int rc = exchange_post(x, x->scratch, x->target, x->count, 1, 1);
+        if (rc != MPI_SUCCESS && x->error == MPI_SUCCESS) x->error = rc;
+    }
+}
+
 /* Test for up to `wait` seconds, the GIL released after the first test: 1 when complete. */
 static int exchange_wait(Exchange *x, double wait) {
     int done = exchange_test(x);
@@ -397,8 +448,10 @@ static int exchange_finish(Exchange *x, PyObject *mismatch) {
         mpi_error(x->error);
         return -1;
     }
-    if (x->expected >= 0 && x->received != x->expected) {
-        PyObject *done = PyObject_CallFunction(mismatch, "OLL", s_kind_names[x->kind], x->expected, x->received);
+    if (x->expected >= 0 && (x->bad_received != -2 || x->received != x->expected)) {
+        int first = x->bad_received != -2;
+        PyObject *done = PyObject_CallFunction(mismatch, "OLLi", s_kind_names[x->kind], x->expected,
+                                               first ? x->bad_received : x->received, first ? x->bad_peer : x->peer);
         Py_XDECREF(done);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast: a message of the wrong length");
         return -1;
@@ -426,27 +479,12 @@ static void exchange_release(Exchange *x) {
 /* Start the messages of collective `kind` (the caller filled the exchange's operands): the receive first. */
 static int exchange_start(Pair *pair, Exchange *x, void *recv_at, const void *send_from, int send_count, int to_peer,
                           int from_peer) {
-    int peer = 1 - pair->rank, tag = (int)(pair->started++ % (unsigned long long)pair->tag_span), rc = MPI_SUCCESS;
-    if (from_peer && pair->probe) {
-        x->probing = 1;
-        x->recv_at = recv_at;
-        x->comm = pair->comm;
-        x->peer = peer;
-        x->tag = tag;
-    } else if (from_peer) {
-        int element = 0;
-        MPI_Type_size(x->type, &element);
-        rc = MPI_Irecv(recv_at, (int)(x->expected / (element ? element : 1)), x->type, peer, tag, pair->comm,
-                       &x->recv);
-    }
-    if (rc == MPI_SUCCESS && to_peer) {
-        rc = MPI_Isend(send_from, send_count, x->type, peer, tag, pair->comm, &x->send);
-        if (rc != MPI_SUCCESS && x->recv != MPI_REQUEST_NULL) { /* nothing may arrive in the scratch later */
-            MPI_Cancel(&x->recv);
-            MPI_Wait(&x->recv, MPI_STATUS_IGNORE);
-        }
-    }
-    return rc;
+    x->comm = pair->comm;
+    x->rank = pair->rank;
+    x->peer = pair->rank ^ 1;
+    x->probe = pair->probe;
+    x->tag = (int)(pair->started++ % (unsigned long long)pair->tag_span);
+    return exchange_post(x, recv_at, send_from, send_count, to_peer, from_peer);
 }
 
 /* None when the exchange completed within `wait` seconds (finished), else a Pending that owns it; NULL on error. */
@@ -486,8 +524,9 @@ static PyObject *pending_test(Pending *self, PyObject *unused) {
 }
 
 static void pending_dealloc(Pending *self) {
-    if (!self->finished && !self->x.probing) exchange_test(&self->x); /* the last look: completed messages free
-                                                                            their buffers (nothing newly posted) */
+    if (!self->finished && !self->x.probing) exchange_test_step(&self->x); /* the last look: completed messages
+                                                                                 free their buffers (nothing newly
+                                                                                 posted) */
     exchange_release(&self->x);
     Py_CLEAR(self->pair);
     PyObject_Free(self);
@@ -512,6 +551,7 @@ static PyTypeObject PendingType = {
 static int pair_allreduce(Pair *pair, Exchange *x, void *address, long long nbytes, int count, MPI_Datatype type,
                           MPI_Op op) {
     exchange_init(x, ALLREDUCE);
+    for (int n = pair->size; n > 2; n >>= 1) x->steps++;
     x->expected = nbytes;
     x->count = count;
     x->type = type;
@@ -560,15 +600,16 @@ static int pair_broadcast(Pair *pair, Exchange *x, void *address, long long nbyt
     return exchange_start(pair, x, address, address, count, root == pair->rank, root != pair->rank);
 }
 
-/* Pair(comm, rank, tag_span, mismatch, probe): `comm` an mpi4py communicator of its own (a duplicate), which the
-   pair frees */
+/* Pair(comm, rank, size, tag_span, mismatch, probe): `comm` an mpi4py communicator of its own (a duplicate), which
+   the pair frees; `size` 2, or a larger power of two (then only its allreduce may be called) */
 static int pair_init(Pair *self, PyObject *args, PyObject *kwds) {
     PyObject *comm, *mismatch;
-    int rank, probe;
+    int rank, size, probe;
     long long span;
-    if (!PyArg_ParseTuple(args, "OiLOp", &comm, &rank, &span, &mismatch, &probe)) return -1;
-    if ((rank != 0 && rank != 1) || span < 1) {
-        PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast.Pair: rank 0 or 1 of two, and a positive tag span");
+    if (!PyArg_ParseTuple(args, "OiiLOp", &comm, &rank, &size, &span, &mismatch, &probe)) return -1;
+    if (size < 2 || (size & (size - 1)) || rank < 0 || rank >= size || span < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "hpdl._mpi_fast.Pair: a rank of a power-of-two size from 2, and a positive tag span");
         return -1;
     }
     if (self->comm_obj != NULL) {
@@ -582,6 +623,7 @@ static int pair_init(Pair *self, PyObject *args, PyObject *kwds) {
     Py_INCREF(comm);
     self->comm_obj = comm;
     self->rank = rank;
+    self->size = size;
     self->probe = probe;
     self->tag_span = span;
     Py_INCREF(mismatch);
@@ -690,7 +732,7 @@ static PyTypeObject PairType = {
     .tp_init = (initproc)pair_init,
     .tp_dealloc = (destructor)pair_dealloc,
     .tp_methods = pair_methods,
-    .tp_doc = "Pair(comm, rank, tag_span, mismatch, probe): a two-rank communicator's collectives as "
+    .tp_doc = "Pair(comm, rank, size, tag_span, mismatch, probe): a two-rank communicator's collectives as "
               "messages (see hpdl/comm/pairs.py).",
 };
 

@@ -5,8 +5,8 @@ so no pickling and no copy. float16 and bfloat16 have no MPI datatype:
 they move as 16-bit words and are reduced in float32. GPU tensors go to MPI
 directly when the library is CUDA-aware (`cuda_aware()`), else they are
 staged through host memory. Every call is non-blocking underneath, so every
-wait can time out. On two ranks, small collectives travel as one message each
-way (pairs.py).
+wait can time out. On two ranks collectives travel as one message each way,
+on 4, 8, ... ranks a small allreduce as recursive doubling (pairs.py).
 """
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ class MpiCommunicator(Communicator):
             self._fused_shm_min = shm.fused_threshold()
             self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
             """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not ..._block."""
-            self._pair_limits = pairs.limits() if self.size == 2 else dict.fromkeys(pairs.KINDS, 0)
-            """Per collective, the bytes each way below which it travels as messages (two ranks: pairs.py)."""
+            self._pair_limits = pairs.limits(self.size)
+            """Per collective, the bytes each way below which it travels as messages (pairs.py)."""
             same_settings.agree(mpi_comm, self._path_settings(), timeout)
         except Exception:
             self._progress.close()  # every rank raises the same error: leave MPI as it was
@@ -292,7 +292,7 @@ class MpiCommunicator(Communicator):
         span = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767) + 1  # (a predefined attribute of COMM_WORLD only)
         mismatch = functools.partial(_pair_mismatch, weakref.ref(self))  # (the pair must not keep this alive)
         pair_type = calls.module.Pair if calls.compiled else pairs.Pair
-        self._pair = pair_type(self.mpi_comm.Dup(), self.rank, span, mismatch, self._probe_first)
+        self._pair = pair_type(self.mpi_comm.Dup(), self.rank, self.size, span, mismatch, self._probe_first)
         self._call_allreduce = self._routed_allreduce
         self._call_allgather = self._routed_allgather
         self._call_reduce_scatter = self._routed_reduce_scatter
@@ -326,9 +326,7 @@ class MpiCommunicator(Communicator):
 
     @property
     def pairs(self) -> str:
-        """Which collectives travel as messages (two ranks: pairs.py), in words."""
-        if self.size != 2:
-            return f"none ({self.size} ranks: MPI's collectives)"
+        """Which collectives travel as messages (pairs.py), in words."""
         return pairs.describe(self._pair_limits if self._pair is not None else dict.fromkeys(pairs.KINDS, 0))
 
     def _path_settings(self) -> dict[str, int]:
@@ -1126,14 +1124,14 @@ class FastTables:
         return spec
 
 
-def _pair_mismatch(owner: Any, op: str, expected: int, received: int) -> None:
-    """A two-rank collective's message of the wrong length: the ranks passed different sizes."""
+def _pair_mismatch(owner: Any, op: str, expected: int, received: int, peer: int) -> None:
+    """A collective's message of the wrong length (pairs.py): the ranks passed different sizes."""
     comm = owner()
-    where, peer = (f"{op} #{comm._seq} on rank {comm.rank} of 2", f"rank {1 - comm.rank}") if comm else (op, "its peer")
+    where = f"{op} #{comm._seq} on rank {comm.rank} of {comm.size}" if comm else op
     sent = f"more than {expected} B" if received < 0 else f"{received} B"
     mine = "expected" if op == "broadcast" else "passed"
     raise CommError(
-        f"{where}: this rank {mine} {expected} B, {peer} sent {sent}: the ranks "
+        f"{where}: this rank {mine} {expected} B, rank {peer} sent {sent}: the ranks "
         "passed different sizes to this collective (its result is wrong; the ranks go on, and the agreement check "
         "names both calls at its next check). Every rank must pass the same sizes; run with HPDL_DEBUG=1 to "
         "compare every rank's call before it runs."

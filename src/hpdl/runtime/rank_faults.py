@@ -67,7 +67,8 @@ class RankFaults:
                 into += chunk
 
     def settle(self, code: int, name: str = "hpdl launch", grace: float = 5.0) -> int:
-        """The job's exit code once what the ranks reported has been said (`code` where none died of a signal)."""
+        """The job's exit code once what the ranks reported has been said: 128 + the signal where a rank died of one
+        (unless `code` already says a signal), else `code`."""
         for thread in self._threads:
             thread.join(timeout=grace)
         died = [(rank, text.decode(errors="replace")) for rank, text in enumerate(self.texts) if text.strip()]
@@ -77,7 +78,9 @@ class RankFaults:
             print(f"{name}: rank {rank} died of {what}:\n{text.rstrip()}", file=sys.stderr, flush=True)
             if kind in _HINTS:
                 print(f"{name}: {_HINTS[kind]}", file=sys.stderr, flush=True)
-        if died and code == 0:
+        # The others' nonzero exit is most often the launcher tearing the job down (seen under load: a rank still
+        # starting was interrupted, exit 1, and that code hid the signal).
+        if died and code < 128:
             return 128 + (kinds[0] if kinds[0] is not None else int(signal.SIGABRT))
         return code
 
