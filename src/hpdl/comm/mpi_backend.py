@@ -761,10 +761,11 @@ class MpiCommunicator(Communicator):
         return self._progress
 
     # Device handling: CUDA tensors go straight to a CUDA-aware MPI, else through a host copy.
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
+    def _host(self, t: torch.Tensor, messages: bool = False) -> torch.Tensor:
+        """`messages`: for a pair's exchange (pairs.py), always host memory: MPI_Reduce_local reduces on the CPU."""
         if t.device.type == "cpu":
             return t
-        if self.cuda_aware and t.device.type == "cuda":
+        if self.cuda_aware and t.device.type == "cuda" and not messages:
             torch.cuda.current_stream(t.device).synchronize()
             return t
         return t.cpu()
@@ -804,7 +805,7 @@ class MpiCommunicator(Communicator):
 
     def _pair_allreduce(self, t: torch.Tensor, op: str, seq: int) -> Work:
         """A two-rank allreduce as messages (pairs.py): on the host, 16-bit floats in float32."""
-        wire = t if t.is_cpu else t.cpu()
+        wire = self._host(t, messages=True)
         if t.dtype in _HALF:
             wire = wire.float()
         handle = self._handle_of
@@ -888,7 +889,7 @@ class MpiCommunicator(Communicator):
             return completed(self, "allgather", seq, result)
         row = math.prod(t.shape[1:])
         paired = len(set(sizes)) == 1 and t.numel() * t.element_size() < self._pair_allgather_below
-        host = t if paired and t.is_cpu else t.cpu() if paired else self._host(t)
+        host = self._host(t, messages=paired)
         out_host = _output(out, host, (sum(sizes), *t.shape[1:]), t.dtype)
         dtype = _move_type(t, "allgather")
         in_place = is_block_of(host, out_host, sum(sizes[: self.rank]))
@@ -916,7 +917,7 @@ class MpiCommunicator(Communicator):
             return completed(self, "reduce_scatter", seq, result)
         wire_bytes = t.numel() * (4 if t.dtype in _HALF else t.element_size())
         paired = wire_bytes // self.size < self._pair_reduce_scatter_below
-        host = t if paired and t.is_cpu else t.cpu() if paired else self._host(t)
+        host = self._host(t, messages=paired)
         wire = host.float() if t.dtype in _HALF else host
         result = _output(out, wire, (t.shape[0] // self.size, *t.shape[1:]), wire.dtype)
         dtype = _move_type(wire, "reduce_scatter")
@@ -949,7 +950,7 @@ class MpiCommunicator(Communicator):
             return completed(self, "broadcast", seq, t)
         nbytes = t.numel() * t.element_size()
         if nbytes < self._pair_broadcast_below:
-            host = t if t.is_cpu else t.cpu()
+            host = self._host(t, messages=True)
             handle = self._handle_of(_move_type(t, "broadcast"))
             request = self._pair.broadcast(host.data_ptr(), nbytes, handle, root, _NO_WAIT)
         else:
