@@ -79,9 +79,97 @@ static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
    [start, start + length) of their concatenation) */
 static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return copy(args, nargs, 0); }
 
+/* One tensor's part of a reduced range: tensor[i] (op) each source's [i], in the sources' order, then divided
+   by `divisor` when it is not 1; the result written back into the tensor and to `out`. One pass per source over
+   a few kilobytes (in cache): simple loops the compiler vectorises, and each element combined in the same order
+   as torch's add_ one source after another would (the same bits). */
+#define REDUCE_SUM(T)                                                                                            \
+    static void reduce_sum_##T(T *tensor, T *out, char *const *sources, Py_ssize_t nsources, long long offset,  \
+                               long long count, long long divisor) {                                            \
+        for (Py_ssize_t k = 0; k < nsources; k++) {                                                             \
+            const T *source = (const T *)(sources[k] + offset);                                                 \
+            for (long long i = 0; i < count; i++) tensor[i] += source[i];                                       \
+        }                                                                                                       \
+        if (divisor != 1)                                                                                       \
+            for (long long i = 0; i < count; i++) tensor[i] /= (T)divisor;                                     \
+        memcpy(out + offset / (long long)sizeof(T), tensor, (size_t)count * sizeof(T));                         \
+    }
+REDUCE_SUM(float)
+REDUCE_SUM(double)
+
+enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
+
+/* reduce(table, start, length, out_address, sources, kind, divisor): bytes [start, start + length) of the
+   tensors' concatenation summed in place with the same bytes of every source (a tuple of addresses, each
+   holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined),
+   divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
+   ranks copy it from). Shared-memory fused allreduce (hpdl/comm/shm.py): each rank reduces its slice straight
+   in its own tensors, with no flat buffer and no torch call per piece. */
+static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer view;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "hpdl._copies.reduce: (table, start, length, out address, sources, kind, divisor) expected");
+        return NULL;
+    }
+    long long start = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
+    char *out = PyLong_AsVoidPtr(args[3]);
+    long kind = PyLong_AsLong(args[5]);
+    long long divisor = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "hpdl._copies.reduce: sources must be a tuple of addresses");
+        return NULL;
+    }
+    size_t itemsize = kind == KIND_FLOAT32_SUM ? sizeof(float) : sizeof(double);
+    if ((kind != KIND_FLOAT32_SUM && kind != KIND_FLOAT64_SUM) || start < 0 || length < 0 || divisor < 1 ||
+        start % (long long)itemsize != 0 || length % (long long)itemsize != 0) {
+        PyErr_SetString(PyExc_ValueError, "hpdl._copies.reduce: a known kind, whole elements and a divisor >= 1");
+        return NULL;
+    }
+    Py_ssize_t nsources = PyTuple_GET_SIZE(args[4]);
+    char *sources[64];
+    if (nsources > 64) {
+        PyErr_SetString(PyExc_ValueError, "hpdl._copies.reduce: at most 64 sources");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < nsources; k++) {
+        sources[k] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args[4], k));
+        if (sources[k] == NULL && PyErr_Occurred()) return NULL;
+    }
+    if (read_table(args[0], &view) < 0) return NULL;
+    const int64_t *pairs = view.buf;
+    Py_ssize_t n = view.len / (Py_ssize_t)(2 * sizeof(int64_t));
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) total += pairs[2 * i + 1];
+    if (start + length > total) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "hpdl._copies.reduce: the range runs past the tensors' bytes");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS long long at = 0, done = 0; /* done: bytes of the range reduced so far */
+    for (Py_ssize_t i = 0; i < n && done < length; i++) {
+        long long nbytes = pairs[2 * i + 1];
+        if (at + nbytes > start + done) {
+            long long skip = start + done - at;
+            long long take = nbytes - skip < length - done ? nbytes - skip : length - done;
+            char *tensor = (char *)(intptr_t)pairs[2 * i] + skip;
+            if (kind == KIND_FLOAT32_SUM)
+                reduce_sum_float((float *)tensor, (float *)out, sources, nsources, done, take / 4, divisor);
+            else
+                reduce_sum_double((double *)tensor, (double *)out, sources, nsources, done, take / 8, divisor);
+            done += take;
+        }
+        at += nbytes;
+    }
+    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, NULL},
     {"unpack", (PyCFunction)(void (*)(void))unpack, METH_FASTCALL, NULL},
+    {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

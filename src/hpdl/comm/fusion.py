@@ -73,9 +73,7 @@ class Bucket:
             self.chunks = self.flat.split([t.numel() for t in self.targets])
             # (not for tensors autograd tracks: torch.cat would refuse them, and its version counters must move)
             if _copies is not None and self.flat.is_cpu and not any(t.requires_grad for t in self.targets):
-                size = self.flat.element_size()
-                pairs = [value for t in self.targets for value in (t.data_ptr(), t.numel() * size)]
-                self.table = array("q", pairs).tobytes()
+                self.table = table_of(self.targets)
 
     def fill(self) -> None:
         """Copy the tensors into the flat buffer (nothing to do for a tensor that is its own buffer)."""
@@ -100,15 +98,47 @@ class Bucket:
 
     def pack_range(self, address: int, start: int, length: int) -> None:
         """Copy bytes [start, start + length) of the tensors' concatenation to `address` (not the flat buffer)."""
-        _copies.pack(address, self.table, start, length)
+        pack_range(self.table, address, start, length)  # type: ignore[arg-type]
 
     def unpack_range(self, address: int, start: int, length: int) -> None:
         """Copy `length` bytes at `address` into bytes [start, start + length) of the tensors' concatenation."""
-        _copies.unpack(address, self.table, start, length)
+        unpack_range(self.table, address, start, length)  # type: ignore[arg-type]
 
     def modified(self) -> None:
         """What torch's own copies do after writing the tensors: one saved for backward must not look unchanged."""
         _modified(self.targets)
+
+
+def table_of(tensors: Sequence[torch.Tensor]) -> bytes:
+    """The compiled copies' table of contiguous CPU tensors: (address, bytes) of each, in order."""
+    return array("q", [value for t in tensors for value in (t.data_ptr(), t.numel() * t.element_size())]).tobytes()
+
+
+def summed_in_place(dtype: torch.dtype) -> bool:
+    """Whether `reduce_range` sums tensors of `dtype` (float32 and float64, where the build compiled it)."""
+    return _copies is not None and dtype in _REDUCE_KINDS
+
+
+def reduce_range(
+    table: bytes, dtype: torch.dtype, start: int, length: int, out: int, sources: tuple[int, ...], divisor: int
+) -> None:
+    """Bytes [start, start + length) of the table's tensors summed in place with `length` bytes at each of
+    `sources` (in that order), divided by `divisor` (1: a sum), and also written to address `out`."""
+    _copies.reduce(table, start, length, out, sources, _REDUCE_KINDS[dtype], divisor)
+
+
+def pack_range(table: bytes, address: int, start: int, length: int) -> None:
+    """Copy bytes [start, start + length) of the table's tensors' concatenation to `address`."""
+    _copies.pack(address, table, start, length)
+
+
+def unpack_range(table: bytes, address: int, start: int, length: int) -> None:
+    """Copy `length` bytes at `address` into bytes [start, start + length) of the table's tensors' concatenation."""
+    _copies.unpack(address, table, start, length)
+
+
+_REDUCE_KINDS = {torch.float32: 0, torch.float64: 1}
+"""The dtypes `_copies.reduce` sums (its KIND_ numbers)."""
 
 
 def _modified(tensors: list[torch.Tensor]) -> None:

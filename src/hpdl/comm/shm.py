@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from hpdl.comm import fusion
 from hpdl.comm.env import env_flag, env_number
 from hpdl.errors import CommTimeoutError
 
@@ -405,7 +406,7 @@ class NodeCollectives:
     def _chunk(self, dtype: torch.dtype) -> int:
         """Elements per piece (the same on every rank): what a rank's staging segment holds, and at most
         `piece` bytes, so that what a rank copies in is still in cache when it is reduced and copied out."""
-        return max(min(self.segment, self.piece) // torch.empty(0, dtype=dtype).element_size(), 1)
+        return max(min(self.segment, self.piece) // dtype.itemsize, 1)
 
     def _stage_in(self, zero_copy: bool, piece: torch.Tensor, at: int) -> None:
         if not zero_copy:
@@ -436,6 +437,9 @@ class NodeCollectives:
         """
         flat = t.view(-1)
         zero_copy = self._publish(flat)
+        if not zero_copy and across is None and op in ("sum", "avg") and fusion.summed_in_place(t.dtype) and t.is_cpu:
+            self._allreduce_in_place(fusion.table_of([flat]), t.dtype, flat.numel(), divisor)
+            return
         step = self._chunk(t.dtype)
         slots = self._slots(step * t.element_size())
         for start in range(0, max(flat.numel(), 1), step):
@@ -483,6 +487,10 @@ class NodeCollectives:
         and the reduced slices copied straight back into them, where packing the flat buffer, reducing it and
         unpacking it copy everything twice more (`divisor`: the reduced values are divided by it, an average)."""
         self._words[self.local_rank][1] = -1  # staged, not in a shared buffer
+        if across is None and op in ("sum", "avg") and fusion.summed_in_place(bucket.flat.dtype):
+            self._allreduce_in_place(bucket.table, bucket.flat.dtype, bucket.flat.numel(), divisor)  # type: ignore[arg-type]
+            bucket.modified()
+            return
         dtype, itemsize = bucket.flat.dtype, bucket.flat.element_size()
         step = self._chunk(dtype)
         slots = self._slots(step * itemsize)
@@ -500,6 +508,46 @@ class NodeCollectives:
                 bucket.unpack_range(sources[rank][a:b].data_ptr(), (start + a) * itemsize, (b - a) * itemsize)
             self._sync("allreduce_coalesced: results read")
         bucket.modified()
+
+    def _allreduce_in_place(self, table: bytes, dtype: torch.dtype, count: int, divisor: int) -> None:
+        """A float sum (or average) on one node of the tensors in `table` (the compiled copies' (address, bytes)
+        pairs), with no flat buffer and no torch call per piece: a rank stages only the slices the others reduce,
+        reduces its own slice where it lies (the compiled loop reads its values there, adds the others' staged
+        ones in `_reduce_my_slice`'s order, writes the result back and into its segment) and copies the others'
+        results from theirs. Staging everything, reducing in the segment and copying every slice back moves half
+        as much again. This rank stages; a rank on the general route for the same call (a flat buffer, or a tensor
+        in a shared buffer, read where it lies) lays its pieces out the same way."""
+        itemsize = dtype.itemsize
+        step = self._chunk(dtype)
+        slots = self._slots(step * itemsize)
+        me, ranks = self.local_rank, range(self.local_size)
+        stage = self._stage[me].data_ptr()
+        order = [(me + offset) % self.local_size for offset in range(1, self.local_size)]  # _reduce_my_slice's
+        for start in range(0, max(count, 1), step):  # (nothing: one empty piece, as the general route's)
+            n, at = min(step, count - start), next(slots)
+            bounds = [_bounds(n, self.local_size, rank) for rank in ranks]
+            for rank in order:
+                a, b = bounds[rank]
+                fusion.pack_range(table, stage + at + a * itemsize, (start + a) * itemsize, (b - a) * itemsize)
+            self._sync("allreduce: inputs")
+            bases = {rank: self._piece_address(rank, dtype, start, at) for rank in order}
+            a, b = bounds[me]
+            sources = tuple(bases[rank] + a * itemsize for rank in order)
+            out = stage + at + a * itemsize
+            fusion.reduce_range(table, dtype, (start + a) * itemsize, (b - a) * itemsize, out, sources, divisor)
+            self._sync("allreduce: reduced slices")
+            for rank in order:
+                a, b = bounds[rank]
+                fusion.unpack_range(table, bases[rank] + a * itemsize, (start + a) * itemsize, (b - a) * itemsize)
+            self._sync("allreduce: results read")
+
+    def _piece_address(self, rank: int, dtype: torch.dtype, start: int, at: int) -> int:
+        """Where rank `rank`'s elements from `start` of the current operation are: staged at byte `at` of its
+        segment, or in its shared buffer (read after the first sync, like `_sources`)."""
+        index, offset = self._words[rank][1], self._words[rank][2]
+        if index < 0:
+            return self._stage[rank].data_ptr() + at
+        return self._sources_of(index, rank, dtype).data_ptr() + (offset + start) * dtype.itemsize
 
     def reduce_scatter(self, t: torch.Tensor, op: str, out: torch.Tensor) -> None:
         """This rank's block of dim 0 of the node-wide reduction of `t`, into `out` (sum for avg)."""
