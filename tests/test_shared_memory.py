@@ -163,8 +163,8 @@ def test_fusion_buckets_reduced_straight_from_their_tensors(ranks, nprocs, env):
 
 def float_sums_both_routes(comm):
     """Random float sums and averages through the compiled in-place reduction and through torch's (the same
-    calls on the same inputs), plain tensors and fusion buckets, in pieces that cut tensors: (the compiled
-    reductions made, the results of each route)."""
+    calls on the same inputs): plain tensors, fusion buckets and a reduce-scatter, in pieces that cut tensors:
+    (the compiled reductions made, the results of each route)."""
     from hpdl.comm import fusion
 
     calls = []
@@ -182,7 +182,9 @@ def float_sums_both_routes(comm):
                     comm.allreduce(plain, op)
                     bucket = [torch.randn(n, generator=generator, dtype=dtype) for n in (3, 20_000, 1, 17_000)]
                     comm.allreduce_coalesced(bucket, op)
-                    results[(route, str(dtype), op)] = [plain, *bucket]
+                    blocks = torch.randn(comm.size * 30_001, generator=generator, dtype=dtype)
+                    scattered = comm.reduce_scatter(blocks, op)
+                    results[(route, str(dtype), op)] = [plain, *bucket, scattered]
     finally:
         fusion.reduce_range, fusion.summed_in_place = compiled_reduce, summed_in_place
     return len(calls), results
@@ -191,19 +193,27 @@ def float_sums_both_routes(comm):
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_float_sums_reduced_in_place_equal_torch_reduction(ranks, nprocs):
     """The compiled reduction (each rank sums its slice where it lies, in the order torch's route adds) gives
-    the same bits as the route through torch on every rank, and the sum of the inputs within rounding."""
+    the same bits as the route through torch (on every rank, for an allreduce), and the sum of the inputs
+    within rounding."""
     results = ranks("mpi", nprocs, FORCED).run(float_sums_both_routes)
     first = results[0][1]
     for calls, out in results:
-        assert calls > 8  # 2 dtypes x 2 ops x (plain + bucket), several pieces each
+        assert calls > 12  # 2 dtypes x 2 ops x (plain + bucket + reduce-scatter), several pieces each
         for (route, dtype_name, op), tensors in out.items():
-            for value, expected in zip(tensors, first[("compiled", dtype_name, op)]):
+            *reduced, scattered = tensors
+            for value, expected in zip(reduced, first[("compiled", dtype_name, op)]):
                 assert torch.equal(value, expected), (route, dtype_name, op)  # every rank, both routes: same bits
+            assert torch.equal(scattered, out[("compiled", dtype_name, op)][-1]), (route, dtype_name, op)
     inputs = [torch.Generator().manual_seed(r) for r in range(nprocs)]  # drawn in the ranks' order
     for dtype in (torch.float32, torch.float64):
         for op in ("sum", "avg"):
-            drawn = [[torch.randn(n, generator=g, dtype=dtype) for n in (50_001, 3, 20_000, 1, 17_000)] for g in inputs]
-            for i, value in enumerate(first[("compiled", str(dtype), op)]):
+            sizes = (50_001, 3, 20_000, 1, 17_000, nprocs * 30_001)
+            drawn = [[torch.randn(n, generator=g, dtype=dtype) for n in sizes] for g in inputs]
+            for rank, (_, out) in enumerate(results):
+                exact = sum(rank_inputs[-1].double() for rank_inputs in drawn) / (nprocs if op == "avg" else 1)
+                block = exact[rank * 30_001 : (rank + 1) * 30_001]
+                assert torch.allclose(out[("compiled", str(dtype), op)][-1].double(), block, rtol=0, atol=1e-5)
+            for i, value in enumerate(first[("compiled", str(dtype), op)][:-1]):
                 exact = sum(rank_inputs[i].double() for rank_inputs in drawn) / (nprocs if op == "avg" else 1)
                 tolerance = 1e-5 if dtype == torch.float32 else 1e-12
                 assert torch.allclose(value.double(), exact, rtol=0, atol=tolerance), (str(dtype), op, i)

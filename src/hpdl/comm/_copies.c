@@ -92,7 +92,7 @@ static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }                                                                                                       \
         if (divisor != 1)                                                                                       \
             for (long long i = 0; i < count; i++) tensor[i] /= (T)divisor;                                     \
-        memcpy(out + offset / (long long)sizeof(T), tensor, (size_t)count * sizeof(T));                         \
+        if (out != NULL) memcpy(out + offset / (long long)sizeof(T), tensor, (size_t)count * sizeof(T));        \
     }
 REDUCE_SUM(float)
 REDUCE_SUM(double)
@@ -103,7 +103,7 @@ enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
    tensors' concatenation summed in place with the same bytes of every source (a tuple of addresses, each
    holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined),
    divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
-   ranks copy it from). Shared-memory fused allreduce (hpdl/comm/shm.py): each rank reduces its slice straight
+   ranks copy it from; 0: nowhere else). Shared-memory fused allreduce (hpdl/comm/shm.py): each rank reduces its slice straight
    in its own tensors, with no flat buffer and no torch call per piece. */
 static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
@@ -113,7 +113,7 @@ static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     long long start = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
-    char *out = PyLong_AsVoidPtr(args[3]);
+    char *out = PyLong_AsVoidPtr(args[3]); /* NULL for 0 */
     long kind = PyLong_AsLong(args[5]);
     long long divisor = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred()) return NULL;

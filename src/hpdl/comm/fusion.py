@@ -123,7 +123,7 @@ def reduce_range(
     table: bytes, dtype: torch.dtype, start: int, length: int, out: int, sources: tuple[int, ...], divisor: int
 ) -> None:
     """Bytes [start, start + length) of the table's tensors summed in place with `length` bytes at each of
-    `sources` (in that order), divided by `divisor` (1: a sum), and also written to address `out`."""
+    `sources` (in that order), divided by `divisor` (1: a sum), and also written to address `out` (0: not)."""
     _copies.reduce(table, start, length, out, sources, _REDUCE_KINDS[dtype], divisor)
 
 
