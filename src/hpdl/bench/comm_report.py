@@ -189,13 +189,15 @@ def targets(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str
             f"{TARGET_SHM_64MB:g}x faster than mpi4py ({speedups_64:.2f}x)"
         )
     fusion = {r["column"]: r for r in records if r["section"] == "fusion"}
-    for engine in ("hpdl-mpi", "hpdl-torch"):
+    for engine, raw in (("hpdl-mpi", "mpi4py"), ("hpdl-torch", "torch.distributed")):
         speedup = _ratio(fusion.get(f"{engine} separate"), fusion.get(f"{engine} coalesced"))
         ok = speedup is not None and speedup >= TARGET_FUSION
-        shown = _fmt_ratio(speedup)
+        # No fusion beats one raw call on the packed bytes: separate calls that cost little cap the speed-up.
+        ceiling = _ratio(fusion.get(f"{engine} separate"), fusion.get(f"{raw} one flat call"))
         lines.append(
             f"{'PASS' if ok else 'MISS'}  fusion ({engine}): coalesced >= {TARGET_FUSION:g}x faster than "
-            f"{FUSION_TENSORS} separate calls (speed-up {shown})"
+            f"{FUSION_TENSORS} separate calls (speed-up {_fmt_ratio(speedup)}; one raw {raw} call on the packed "
+            f"bytes would be {_fmt_ratio(ceiling)})"
         )
     flat = _ratio(fusion.get("hpdl-mpi coalesced"), fusion.get("mpi4py one flat call"))
     lines.append(
