@@ -1,4 +1,5 @@
-/* Packing many small CPU tensors into one flat buffer and back, for tensor fusion (hpdl/comm/fusion.py).
+/* Packing many small CPU tensors into one flat buffer and back, for tensor fusion (hpdl/comm/fusion.py), and
+   summing float ranges of them in place (the shared-memory collectives, hpdl/comm/shm.py).
 
    Why: torch.cat and torch._foreach_copy_ pay about a third and two thirds of a microsecond per tensor in
    dispatch, which for 200 gradients of 4 KB is 3-6 times the time of the copies themselves. A fusion plan's
@@ -103,8 +104,9 @@ enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
    tensors' concatenation summed in place with the same bytes of every source (a tuple of addresses, each
    holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined),
    divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
-   ranks copy it from; 0: nowhere else). Shared-memory fused allreduce (hpdl/comm/shm.py): each rank reduces its slice straight
-   in its own tensors, with no flat buffer and no torch call per piece. */
+   ranks copy it from; 0: nowhere else). The shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py):
+   each rank reduces its slice where it lies in its own tensors, with no flat buffer and no torch call per
+   piece. */
 static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
     if (nargs != 7) {
