@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hpdl.runtime.environment import detect
@@ -81,6 +83,24 @@ def test_open_mpi_4_ranks_get_its_shared_memory_and_point_to_point_one_sided_com
     ):
         choose_defaults(env)
         assert env.get(ONE_SIDED) == expected, env
+
+
+def test_importing_hpdl_chooses_open_mpis_defaults_before_any_part_of_it_starts_mpi():
+    """Any hpdl module may import mpi4py's MPI (which starts MPI) first, not only `hpdl.init`: a test importing
+    `hpdl.comm.mpi_backend` in a process no mpiexec started aborted on pip's Open MPI 4 (no OPAL_PREFIX)."""
+    import subprocess
+    import sys
+
+    from hpdl.runtime.open_mpi import IALLREDUCE_ALGORITHM
+
+    script = (
+        "import os, sys; import hpdl.comm.env; "
+        f"print(os.environ.get({IALLREDUCE_ALGORITHM!r}), 'mpi4py.MPI' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != IALLREDUCE_ALGORITHM}
+    env["OMPI_COMM_WORLD_SIZE"] = "2"  # as in a rank of Open MPI's launcher
+    shown = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert shown.stdout.split() == ["3", "False"]  # set on import, and MPI not started by it
 
 
 def test_pips_open_mpi_4_wheel_is_told_where_it_lives_unless_the_user_said(tmp_path):

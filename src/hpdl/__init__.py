@@ -18,6 +18,7 @@ from hpdl.errors import (
     NotInitializedError,
 )
 from hpdl.interop.registration import register_when_torch_loads
+from hpdl.runtime import open_mpi as _open_mpi
 
 if TYPE_CHECKING:
     from hpdl.comm.base import Communicator
@@ -56,6 +57,9 @@ _SUBPACKAGES = ("checkpoint", "comm", "runtime", "interop", "parallel", "ml", "t
 """Imported on first attribute access (`hpdl.checkpoint.save`)."""
 
 register_when_torch_loads()
+# Before any part of hpdl starts MPI (mpi4py starts it when `MPI` is first imported): Open MPI reads these settings
+# only then, and pip's Open MPI 4 cannot start at all in a process its mpiexec did not start without OPAL_PREFIX.
+_open_mpi.choose_defaults()
 
 
 def __getattr__(name: str) -> Any:

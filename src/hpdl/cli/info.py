@@ -80,10 +80,7 @@ def _huge_pages() -> dict[str, str]:
 
 
 def _mpi_info() -> dict[str, Any]:
-    from hpdl.runtime import open_mpi
-
-    open_mpi.choose_defaults()  # before MPI starts
-    try:
+    try:  # (Open MPI's settings: chosen at `import hpdl`, before MPI starts)
         import mpi4py
 
         from hpdl.comm.mpi_backend import cuda_aware, library_version

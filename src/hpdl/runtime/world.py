@@ -103,10 +103,7 @@ def is_initialized() -> bool:
 
 
 def _mpi_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
-    from hpdl.runtime import open_mpi
-
-    open_mpi.choose_defaults()  # before MPI starts
-    from hpdl.comm.mpi_backend import MPI, MpiCommunicator
+    from hpdl.comm.mpi_backend import MPI, MpiCommunicator  # (Open MPI's settings: chosen at `import hpdl`)
 
     comm = MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug, read_tuning=True)
     if launch.size is not None and launch.size != comm.size:
