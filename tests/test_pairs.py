@@ -140,8 +140,8 @@ def test_an_allreduce_on_four_ranks_travels_as_messages_and_equals_the_collectiv
     """Recursive doubling (pairs.py) on 4 ranks: the collective's results on exact values, and the same bits on
     every rank where the order of a float sum matters."""
     reference = ranks("mpi", 4, env=COLLECTIVES).run(allreduce_on_many)
-    # (two of the four ways: each implementation and each receive mode once; four pools of 4 ranks take ~8 s
-    # each on 2 cores, and the two-rank tests above run all four)
+    # (two of the four ways: each implementation and each receive mode once; a pool of 4 ranks takes ~8 s on 2
+    # cores, and the two-rank tests above run all four)
     for env in (MESSAGES["compiled"], MESSAGES["mpi4py, probing first"]):
         got = ranks("mpi", 4, env=env).run(allreduce_on_many)
         for rank in range(4):

@@ -1,4 +1,5 @@
-"""What hpdl sets for Open MPI before MPI starts, where the user set nothing.
+"""What hpdl sets for Open MPI before MPI starts, where the user set nothing (at `import hpdl`: any part of hpdl
+may be the first to import mpi4py's `MPI`, which starts MPI).
 
 hpdl's allreduce is a nonblocking call on the tensor in place (its waits are bounded). For that call Open
 MPI's nonblocking engine (coll/libnbc) always takes its binomial tree, a reduce and then a broadcast: on 2
