@@ -33,8 +33,9 @@ _BUFFERS: dict[tuple[int, int], Any] = {}
 _BUFFER_CACHE_SIZE = 1024
 _EMPTY = bytearray(8)
 _yield = getattr(os, "sched_yield", lambda: None)
-_SPIN_SECONDS = 20e-6
-"""Tests at full speed before a wait starts yielding the core between tests (the compiled module's, too)."""
+_SPIN_SECONDS = 2e-6
+"""Tests at full speed before a wait starts yielding the core between tests (the compiled module's, too: short,
+for jobs with more ranks than free cores, where a rank that spins holds the core its partner needs)."""
 
 
 MPICH_COUNTED_REDUCE_SCATTER = (512 * 1024, 2 * 1024 * 1024)
