@@ -248,6 +248,8 @@ class NodeCollectives:
         self.node = node
         self.local_rank = node.Get_rank()
         self.local_size = node.Get_size()
+        self._others = [(self.local_rank + offset) % self.local_size for offset in range(1, self.local_size)]
+        """The other ranks of the node in the order a reduction adds their values (`_reduce_my_slice`'s)."""
         self.ranks = ranks
         self._timeout = timeout
         self._describe = describe
@@ -524,7 +526,7 @@ class NodeCollectives:
         slots = self._slots(step * itemsize)
         me, ranks = self.local_rank, range(self.local_size)
         stage = self._stage[me].data_ptr()
-        order = [(me + offset) % self.local_size for offset in range(1, self.local_size)]  # _reduce_my_slice's
+        order = self._others
         for start in range(0, max(count, 1), step):  # (nothing: one empty piece, as the general route's)
             n, at = min(step, count - start), next(slots)
             bounds = [_bounds(n, self.local_size, rank) for rank in ranks]
@@ -595,7 +597,7 @@ class NodeCollectives:
         me, step = self.local_rank, max(self._chunk(dtype) // self.local_size, 1)
         slots = self._slots(step * self.local_size * itemsize)
         stage = self._stage[me].data_ptr()
-        order = [(me + offset) % self.local_size for offset in range(1, self.local_size)]
+        order = self._others
         for start in range(0, max(block, 1), step):
             width, at = min(step, block - start), next(slots)
             row = width * itemsize
