@@ -374,13 +374,17 @@ def counted_window(comm):
 
 
 def test_mid_size_reduce_scatter_window_leaves_the_fast_path_and_reads_its_setting(ranks):
-    windows = ranks("mpi", 2).run(counted_window)[0]
+    """The window is the general path's where the call would reach MPI (3 ranks); on 2 ranks messages carry every
+    size below the shared-memory gate, and the fast path keeps them (the general path's Python wait cost 1 MiB
+    of input 1.3x)."""
+    windows, paired = ranks("mpi", 3).run(counted_window)[0], ranks("mpi", 2).run(counted_window)[0]
     mpich = windows["default"]
     assert windows["mpich"] == mpich and windows["open mpi"] == (0, 0)
     this = windows["this library"]  # MPICH's window (the pinned environment), none on Open MPI
-    assert windows["library"] == this
+    assert windows["library"] == this == paired["library"]
     if this[0] < this[1]:
         assert windows["gate"] == this[0]
+        assert paired["gate"] > this[1]
     assert windows["0"] == (0, 0) and windows["1000:2000"] == (1000, 2000)
     assert "FROM <= TO" in windows["2000:1000"] and "must be FROM:TO" in windows["big"]
 

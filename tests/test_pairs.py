@@ -72,6 +72,29 @@ def test_messages_give_what_the_collectives_give(ranks):
                 assert torch.equal(got[rank][key], expected), (name, rank, key)
 
 
+def past_the_thresholds(comm):
+    """An ordinary reduce_scatter and allgather larger than the shared-memory path's built-in thresholds."""
+    from hpdl.comm import shm
+
+    n = shm.DEFAULT_THRESHOLDS["reduce_scatter"][1] // 4  # float32 elements of input
+    block = comm.reduce_scatter(values(comm.rank, n, torch.float32), out=torch.empty(n // 2))
+    gathered = comm.allgather(block, sizes=[n // 2] * 2)
+    return comm.shm_status, comm._shm_thresholds["reduce_scatter"], comm._shm_thresholds["allgather"], gathered
+
+
+def test_two_ranks_send_large_reduce_scatters_and_allgathers_as_messages(ranks):
+    """Messages beat the shared-memory engine there on two ranks (shm.thresholds): the engine never starts, and
+    the sums are one float32 addition per element, as torch's."""
+    from hpdl.comm import shm
+
+    n = shm.DEFAULT_THRESHOLDS["reduce_scatter"][1] // 4
+    expected = values(0, n, torch.float32) + values(1, n, torch.float32)
+    for status, reduce_scatter, allgather, gathered in ranks("mpi", 2).run(past_the_thresholds):
+        assert status.startswith("not started"), status
+        assert reduce_scatter == allgather == (shm.NEVER, shm.NEVER)
+        assert torch.equal(gathered, expected)
+
+
 def pair_state(comm):
     child = comm.split(0, comm.rank) if comm.size > 2 else None
     pairs = comm.split(comm.rank // 2, comm.rank)

@@ -74,7 +74,9 @@ def run(options: argparse.Namespace) -> int:
             with open(out) as fh:
                 measured = json.load(fh)
         local_size, mpi = measured["local_size"], measured["mpi"]
-        chosen = {**_kept(where, local_size, mpi), **{op: tuple(pair) for op, pair in measured["thresholds"].items()}}
+        built_in = {op: tuple(pair) for op, pair in measured["built_in"].items()}
+        chosen = {**_kept(where, local_size, mpi, built_in)}
+        chosen.update((op, tuple(pair)) for op, pair in measured["thresholds"].items())
         print(report(local_size, measured["results"], chosen))
         made = tuning.new(mpi, local_size, chosen, measured["results"])
         tuning.write(where, made)
@@ -82,16 +84,17 @@ def run(options: argparse.Namespace) -> int:
     return 0
 
 
-def _kept(where: str, local_size: int, mpi: str) -> dict[str, tuple[int, int]]:
+def _kept(where: str, local_size: int, mpi: str, built_in: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """The thresholds of the operations this run does not measure: the file's own for this node size and MPI
-    library, else the built-in ones."""
+    library, else `built_in`, what the measuring job's communicator used without a file (on two ranks: never
+    for the operations that go as messages at every size)."""
     try:
         old = tuning.read(where)
     except TuneFileError:
         old = None  # replaced by this run
     if old is not None and old.mpi == mpi and local_size in old.per_node:
         return dict(old.per_node[local_size])
-    return dict(shm.DEFAULT_THRESHOLDS)
+    return dict(built_in)
 
 
 def report(local_size: int, results: dict[str, list[dict]], chosen: dict[str, Any]) -> str:
@@ -143,10 +146,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     comm = hpdl.init(backend="mpi")
     try:
+        built_in = shm_probe.in_force(comm)  # (the job runs without a tuning file)
         results = shm_probe.measure(comm, options.sizes, options.rounds, options.ops)
         if comm.rank == 0:
             chosen = shm_probe.thresholds(results)
-            data = {"local_size": comm.local_size, "mpi": library_version(), "results": results, "thresholds": chosen}
+            data = {"local_size": comm.local_size, "mpi": library_version(), "results": results, "thresholds": chosen,
+                    "built_in": built_in}  # fmt: skip
             with open(options.worker, "w") as fh:
                 json.dump(data, fh)
     finally:

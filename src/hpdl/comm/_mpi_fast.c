@@ -247,8 +247,9 @@ static PyObject *initialized(PyObject *self, PyObject *unused) {
    collective's messages tagged with its number in the pair's own count, which both ranks keep in step: a
    message of one collective never completes another, also where a receive is posted only after a probe),
    start both messages, test them for up to `wait` seconds and return None when done or a `Pending` (its
-   `Test()` for the caller's bounded wait). The reduction is MPI_Reduce_local with the same MPI op, on
-   operands every predefined op takes commutatively: both ranks compute the same bits.
+   `Test()` for the caller's bounded wait). The reduction is `reduce_local` (a float sum compiled here, else
+   MPI_Reduce_local) with the same MPI op, on operands every predefined op takes commutatively: both ranks compute
+   the same bits.
 
    A message of the wrong length (ranks that passed different sizes) is caught on the spot: the receiver of a
    shorter one sees its length, the receiver of a longer one MPI's truncation; `mismatch(kind, mine, got)`
@@ -332,6 +333,26 @@ static void *pair_scratch(Pair *pair, Exchange *x, size_t nbytes) {
         }
     }
     return x->scratch = pair->scratch;
+}
+
+/* The pair's reduction, `inout` (op)= `in`: a float or double sum as a loop the compiler vectorises (MPICH 5.0.2's
+   MPI_Reduce_local adds one element at a time: 1 MiB of float32 in 84 us, against 13 us for torch's add), every
+   other op and type MPI's own. A sum of two operands is one IEEE addition per element either way: the same bits. */
+#define SUM_INTO(T)                                                                    \
+    static void sum_into_##T(const T *restrict in, T *restrict inout, int count) {    \
+        for (int i = 0; i < count; i++) inout[i] += in[i];                             \
+    }
+SUM_INTO(float)
+SUM_INTO(double)
+
+static int reduce_local(const void *in, void *inout, int count, MPI_Datatype type, MPI_Op op) {
+    if (op == MPI_SUM && type == MPI_FLOAT)
+        sum_into_float(in, inout, count);
+    else if (op == MPI_SUM && type == MPI_DOUBLE)
+        sum_into_double(in, inout, count);
+    else
+        return MPI_Reduce_local(in, inout, count, type, op);
+    return MPI_SUCCESS;
 }
 
 static int is_truncation(int rc) {
@@ -418,7 +439,7 @@ static int exchange_test(Exchange *x) {
             x->bad_received = x->received;
             x->bad_peer = x->peer;
         } else if (x->received == x->expected && x->count) {
-            int rc = MPI_Reduce_local(x->scratch, x->target, x->count, x->type, x->op);
+            int rc = reduce_local(x->scratch, x->target, x->count, x->type, x->op);
             if (rc != MPI_SUCCESS) x->error = rc;
         }
         free(x->overflow);
@@ -463,7 +484,7 @@ static int exchange_finish(Exchange *x, PyObject *mismatch) {
     if (x->kind == REDUCE_SCATTER && x->target != x->own)
         memmove(x->target, x->own, (size_t)x->expected);
     if (x->kind == ALLREDUCE || x->kind == REDUCE_SCATTER) {
-        int rc = x->count ? MPI_Reduce_local(x->scratch, x->target, x->count, x->type, x->op) : MPI_SUCCESS;
+        int rc = x->count ? reduce_local(x->scratch, x->target, x->count, x->type, x->op) : MPI_SUCCESS;
         if (rc != MPI_SUCCESS) {
             mpi_error(rc);
             return -1;

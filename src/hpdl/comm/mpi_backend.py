@@ -212,12 +212,16 @@ class MpiCommunicator(Communicator):
                 self._tuning, local_size, library_version()
             )
             """Where the shared-memory thresholds come from: `hpdl tune`'s file, or built in (and why)."""
-            self._shm_thresholds = {op: shm.thresholds(op, measured[op]) for op in shm.DEFAULT_THRESHOLDS}
+            self._pair_limits = pairs.limits(self.size)
+            """Per collective, the bytes each way below which it travels as messages (pairs.py)."""
+            built_in = self.shm_thresholds_source.startswith("built-in")
+            self._shm_thresholds = {
+                op: shm.thresholds(op, measured[op], built_in and self._pair_limits[op] >= pairs.ANY_SIZE)
+                for op in shm.DEFAULT_THRESHOLDS
+            }
             self._fused_shm_min = shm.fused_threshold()
             self._counted_reduce_scatter = mpi_calls.counted_reduce_scatter(library_version())
             """Input bytes [from, to) where reduce_scatter calls MPI_Ireduce_scatter, not ..._block."""
-            self._pair_limits = pairs.limits(self.size)
-            """Per collective, the bytes each way below which it travels as messages (pairs.py)."""
             same_settings.agree(mpi_comm, self._path_settings(), timeout)
         except Exception:
             self._progress.close()  # every rank raises the same error: leave MPI as it was
@@ -375,19 +379,25 @@ class MpiCommunicator(Communicator):
             for op, (low, high) in self._shm_thresholds.items()
         }
         self._shm_smallest = min(gate.values())
+        # Two ranks: below these, messages (pairs.py), never on the exit channel. The fast paths stop at the
+        # gates; past them a call the shared-memory engine does not take (an ordinary tensor between the
+        # thresholds) goes as messages from the general path too.
+        paired = self._pair is not None and not closed
+        limit = self._pair_limits
+        self._pair_allreduce_below = limit["allreduce"] if paired else 0
+        self._pair_allgather_below = limit["allgather"] if paired else 0
+        self._pair_reduce_scatter_below = limit["reduce_scatter"] if paired else 0
+        self._pair_broadcast_below = limit["broadcast"] if paired else 0
         # The fast paths also leave messages that need more than an int count to the general path.
         self._fast_allreduce_below = min(gate["allreduce"], _INT_COUNT)
         self._fast_allgather_below = min(gate["allgather"], _INT_COUNT)
+        # The counted reduce_scatter's window is the general path's, unless messages cover it (two ranks: 2 MiB
+        # of input took 278 us through the general path's Python wait, 210 us on the fast path).
         low, high = self._counted_reduce_scatter
-        self._fast_reduce_scatter_below = min(gate["reduce_scatter"], _INT_COUNT, low if low < high else math.inf)
+        covered = self._pair_reduce_scatter_below * self.size >= min(high, gate["reduce_scatter"])
+        window = low if low < high and not covered else math.inf
+        self._fast_reduce_scatter_below = min(gate["reduce_scatter"], _INT_COUNT, window)
         self._fast_broadcast_below = min(gate["broadcast"], _INT_COUNT)
-        # Two ranks: below these, messages (pairs.py); never on the exit channel, nor from a shared-memory size.
-        paired = self._pair is not None and not closed
-        limit = self._pair_limits
-        self._pair_allreduce_below = min(gate["allreduce"], limit["allreduce"]) if paired else 0
-        self._pair_allgather_below = min(gate["allgather"] / 2, limit["allgather"]) if paired else 0
-        self._pair_reduce_scatter_below = min(gate["reduce_scatter"] / 2, limit["reduce_scatter"]) if paired else 0
-        self._pair_broadcast_below = min(gate["broadcast"], limit["broadcast"]) if paired else 0
 
     # ------------------------------------------------------------------ fast paths
     # The common call on an ordinary contiguous CPU tensor below the shared-memory thresholds,

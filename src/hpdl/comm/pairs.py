@@ -14,7 +14,10 @@ own count, which both ranks keep in step (a message of one collective never
 completes another, also where several are in flight and a receive is posted
 only after a probe). The reduction is
 `MPI_Reduce_local` with the collective's own MPI op; every predefined op is
-commutative, so both ranks compute the same bits.
+commutative, so both ranks compute the same bits. A float sum (gradients) is
+numpy's vectorised add instead (MPICH's MPI_Reduce_local adds one element at
+a time: 84 against 13 us for 1 MiB of float32), one IEEE addition per element
+either way: the same bits, also as the compiled module computes them.
 
 On 4, 8, 16 ... ranks an allreduce below MANY_RANKS_BELOW is log2(size) such
 exchanges (recursive doubling: the partner at step k is rank ^ 2**k, and
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from hpdl.comm.env import env_flag, env_number
@@ -109,6 +113,18 @@ Mismatch = Callable[[str, int, int, int], None]
 error."""
 
 
+def reduce_local(op: Any, source: Any, target: Any) -> None:
+    """`target` (op)= `source`, each [memory, datatype] of one length: a float or double sum through numpy, every
+    other op and type MPI's own."""
+    memory, datatype = target
+    if op == MPI.SUM and (datatype == MPI.FLOAT or datatype == MPI.DOUBLE):
+        dtype = np.float32 if datatype == MPI.FLOAT else np.float64
+        summed = np.frombuffer(memory, dtype)
+        np.add(summed, np.frombuffer(source[0], dtype), out=summed)
+    else:
+        op.Reduce_local(source, target)
+
+
 class Pair:
     """The messages through mpi4py (HPDL_COMPILED=0, or no compiled module): the compiled `Pair` in
     _mpi_fast.c has the same calls, on MPI's own handles. Each call starts its messages and returns None
@@ -133,7 +149,7 @@ class Pair:
 
         def reduce() -> None:
             if nbytes:
-                op.Reduce_local([scratch, datatype], target)
+                reduce_local(op, [scratch, datatype], target)
 
         return self._exchange("allreduce", [scratch, datatype], target, nbytes, wait, reduce, self._steps)
 
@@ -152,7 +168,7 @@ class Pair:
 
             def reduce_into_output() -> None:
                 if nbytes:
-                    op.Reduce_local(own, target)
+                    reduce_local(op, own, target)
 
             return self._exchange("reduce_scatter", target, send, nbytes, wait, reduce_into_output)
         scratch = [bytearray(nbytes), datatype]
@@ -160,7 +176,7 @@ class Pair:
         def reduce() -> None:
             if nbytes:
                 target[0][:] = own[0]
-                op.Reduce_local(scratch, target)
+                reduce_local(op, scratch, target)
 
         return self._exchange("reduce_scatter", scratch, send, nbytes, wait, reduce)
 

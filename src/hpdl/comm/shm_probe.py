@@ -61,6 +61,11 @@ def measure(comm: Any, sizes: Sequence[int], rounds: int = 7, ops: Sequence[str]
     return results
 
 
+def in_force(comm: Any) -> tuning.Thresholds:
+    """The communicator's thresholds now, per operation."""
+    return dict(comm._shm_thresholds)
+
+
 def thresholds(results: dict[str, list[dict]]) -> tuning.Thresholds:
     """The thresholds the measurements support, for each operation measured."""
     chosen = {}
