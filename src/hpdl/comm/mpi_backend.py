@@ -926,7 +926,9 @@ class MpiCommunicator(Communicator):
                 result.div_(self.size)
             return completed(self, "reduce_scatter", seq, result)
         wire_bytes = t.numel() * (4 if t.dtype in _HALF else t.element_size())
-        paired = wire_bytes // self.size < self._pair_reduce_scatter_below
+        each_way = wire_bytes // self.size
+        on_device = self.cuda_aware and t.device.type == "cuda"  # MPI reads it where it is; messages stage it
+        paired = each_way < self._pair_reduce_scatter_below and (not on_device or each_way < _DEVICE_PAIR_BELOW)
         host = self._host(t, messages=paired)
         wire = host.float() if t.dtype in _HALF else host
         result = _output(out, wire, (t.shape[0] // self.size, *t.shape[1:]), wire.dtype)
@@ -1089,6 +1091,10 @@ _WAIT = 2e-3
 back to the bounded wait of a `Work`."""
 _NO_WAIT = -1.0
 _INT_COUNT = 2**31
+_DEVICE_PAIR_BELOW = 4 << 20
+"""A CUDA tensor on CUDA-aware MPI goes as a reduce_scatter's messages (through host memory: the reduction runs on
+the CPU) only below these bytes each way; from there MPI's collective reads device memory. The cap the CPU's
+shared-memory gate set before messages took every size on the CPU (2026-12-05); not yet measured on a GPU."""
 """Bytes from which a message goes to the general path: the compiled calls pass an int count (mpi4py switches
 to MPI-4's large-count calls)."""
 _VOTE = (torch.int64, "max")
