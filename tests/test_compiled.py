@@ -165,7 +165,7 @@ def test_the_install_built_the_compiled_calls(ranks):
 def bookkeeping(comm):
     """Blocking calls of every kind the compiled paths take (and some they pass to Python): what each rank records."""
     comm.check_every = 64  # a fresh ring
-    while comm._seq % 64 >= 64 - 11:  # and no check among the 11 calls below (a check starts the ring again;
+    while comm._seq % 64 >= 64 - 13:  # and no check among the 13 calls below (a check starts the ring again;
         comm.barrier()  # a pooled rank's sequence number is wherever earlier tests left it)
     size, start = comm.size, comm._seq
     x = torch.arange(5.0)
@@ -177,6 +177,7 @@ def bookkeeping(comm):
         comm.broadcast(x + comm.rank, root=size - 1),
         comm.broadcast(torch.ones(2, dtype=torch.float16) * comm.rank, 0),
         comm.allgather(x + comm.rank, sizes=[5] * size, out=torch.zeros(5 * size)),
+        comm.allgather(x + comm.rank, out=torch.zeros(5 * size)),  # no sizes: every rank's taken to be this one's
         comm.allgather(torch.ones(0, 3), sizes=[0] * size, out=torch.zeros(0, 3)),
         comm.reduce_scatter(torch.ones(2 * size, 3) * comm.rank, "sum", out=torch.zeros(2, 3)),
         comm.reduce_scatter(torch.ones(2 * size), "prod"),  # Python: no `out`
@@ -185,7 +186,10 @@ def bookkeeping(comm):
     whole = torch.zeros(4 * size)
     whole[4 * comm.rank : 4 * comm.rank + 4] = block
     results.append(comm.allgather(whole[4 * comm.rank : 4 * comm.rank + 4], sizes=[4] * size, out=whole))  # in place
-    entries = [comm._ring[(start + n) % 64] for n in range(1, 12)]  # slot: sequence number modulo 64
+    again = torch.zeros(4 * size)
+    again[4 * comm.rank : 4 * comm.rank + 4] = block
+    results.append(comm.allgather(again[4 * comm.rank : 4 * comm.rank + 4], out=again))  # in place, no sizes
+    entries = [comm._ring[(start + n) % 64] for n in range(1, 14)]  # slot: sequence number modulo 64
     recorded = (comm._seq - start, entries, int(comm._progress._mine[0]) - start, comm.calls)
     comm.check_every = 16
     return results, recorded
@@ -198,7 +202,7 @@ def test_compiled_paths_record_and_return_what_python_does(ranks, nprocs):
     for (values, recorded), (expected_values, expected) in zip(compiled, python):
         assert recorded[3].startswith("compiled") and expected[3].startswith("mpi4py")
         assert recorded[:3] == expected[:3]
-        assert recorded[0] == 11 and recorded[2] == 11 and all(recorded[1])
+        assert recorded[0] == 13 and recorded[2] == 13 and all(recorded[1])
         for value, expected_value in zip(values, expected_values):
             assert value.dtype == expected_value.dtype and torch.equal(value, expected_value)
 

@@ -49,6 +49,7 @@ def every_collective(comm):
                 whole[rank * n : (rank + 1) * n], sizes=[n] * size, out=whole
             )
             out["allgather new", dtype, n] = comm.allgather(mine, sizes=[n] * size)
+            out["allgather no sizes", dtype, n] = comm.allgather(mine, out=torch.zeros(n * size, dtype=dtype))
             if dtype != torch.bool:
                 both = torch.cat([mine, mine * 2])
                 out["reduce_scatter", dtype, n] = comm.reduce_scatter(both, "sum", out=torch.zeros(n, dtype=dtype))

@@ -442,7 +442,10 @@ class MpiCommunicator(Communicator):
     def allgather(
         self, tensor: Any, *, sizes: Any = None, out: Any = None, async_op: bool = False
     ) -> Any:  # fmt: skip
-        if type(tensor) is _Tensor and type(out) is _Tensor and type(sizes) in _SEQUENCES and self._plain:
+        # (with `out` and no `sizes` every rank's dim 0 is taken to equal this rank's, as the general path takes it)
+        if type(tensor) is _Tensor and type(out) is _Tensor and (sizes is None or type(sizes) in _SEQUENCES) and (
+            self._plain
+        ):  # fmt: skip
             spec = self._fast_move.get(tensor.dtype)
             shape = tensor.shape
             whole = out.shape
@@ -450,8 +453,8 @@ class MpiCommunicator(Communicator):
             if (  # (trailing dims compared only when there are any: slicing a torch.Size costs 0.2 us)
                 spec is not None and shape and len(whole) == len(shape) and whole[0] == shape[0] * size
                 and (len(shape) == 1 or whole[1:] == shape[1:]) and out.dtype == tensor.dtype and tensor.is_cpu
-                and out.is_cpu and tensor.is_contiguous() and out.is_contiguous() and len(sizes) == size
-                and sizes.count(shape[0]) == size
+                and out.is_cpu and tensor.is_contiguous() and out.is_contiguous()
+                and (sizes is None or (len(sizes) == size and sizes.count(shape[0]) == size))
             ):  # fmt: skip
                 nbytes = tensor.nbytes
                 mine = tensor.data_ptr()

@@ -155,10 +155,18 @@ class Pair:
 
     def allgather(self, send: int, out: int, nbytes: int, datatype: Any, wait: float) -> Any:
         mine = out + nbytes * self._rank
-        if send and send != mine and nbytes:
-            memory_at(mine, nbytes)[:] = memory_at(send, nbytes)
         theirs = [memory_at(out + nbytes * self._peer, nbytes), datatype]
-        return self._exchange("allgather", theirs, [memory_at(mine, nbytes), datatype], nbytes, wait, None)
+        copy = bool(send) and send != mine and nbytes > 0
+        if not copy or out < send + nbytes and send < out + 2 * nbytes:  # (in place, or overlapping: copy first)
+            if copy:
+                memory_at(mine, nbytes)[:] = memory_at(send, nbytes)
+            return self._exchange("allgather", theirs, [memory_at(mine, nbytes), datatype], nbytes, wait, None)
+        # sent from the input itself and copied into place while the message travels, as the compiled Pair does
+        pending = self._exchange("allgather", theirs, [memory_at(send, nbytes), datatype], nbytes, -1.0, None)
+        memory_at(mine, nbytes)[:] = memory_at(send, nbytes)
+        if wait < 0:
+            return pending
+        return None if pending.wait_briefly(wait) else pending
 
     def reduce_scatter(self, address: int, out: int, nbytes: int, datatype: Any, op: Any, wait: float) -> Any:
         own = [memory_at(address + nbytes * self._rank, nbytes), datatype]
