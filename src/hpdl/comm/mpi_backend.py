@@ -442,6 +442,10 @@ class MpiCommunicator(Communicator):
     def allgather(
         self, tensor: Any, *, sizes: Any = None, out: Any = None, async_op: bool = False
     ) -> Any:  # fmt: skip
+        if out is None and type(tensor) is _Tensor and type(sizes) in _SEQUENCES and self._plain:
+            shape = tensor.shape  # equal sizes and no `out` (torch's list all_gather): the new tensor made here
+            if shape and len(sizes) == self.size and sizes.count(shape[0]) == self.size and tensor.is_cpu:
+                out = torch.empty((shape[0] * self.size, *shape[1:]), dtype=tensor.dtype)
         # (with `out` and no `sizes` every rank's dim 0 is taken to equal this rank's, as the general path takes it)
         if type(tensor) is _Tensor and type(out) is _Tensor and (sizes is None or type(sizes) in _SEQUENCES) and (
             self._plain
