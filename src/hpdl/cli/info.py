@@ -150,7 +150,8 @@ def _thresholds(mpi: str) -> dict[str, str]:
         chosen, source = tuning.thresholds_for(found, local, mpi)
         sizes = ", ".join(f"{op} {_size(a)}/{_size(b)}" for op, (a, b) in chosen.items())
         label = f"shm thresholds, {local} ranks per node" if local else "shm thresholds"
-        out[label] = f"{sizes} ({source}{'' if found else '; measure this machine with `hpdl tune`'})"
+        hint = "; two ranks send reduce_scatter and allgather as messages instead; measure this machine: `hpdl tune`"
+        out[label] = f"{sizes} ({source}{'' if found else hint})"
     return out
 
 
