@@ -1098,12 +1098,12 @@ _WAIT = 2e-3
 back to the bounded wait of a `Work`."""
 _NO_WAIT = -1.0
 _INT_COUNT = 2**31
+"""Bytes from which a message goes to the general path: the compiled calls pass an int count (mpi4py switches
+to MPI-4's large-count calls)."""
 _DEVICE_PAIR_BELOW = 4 << 20
 """A CUDA tensor on CUDA-aware MPI goes as a reduce_scatter's messages (through host memory: the reduction runs on
 the CPU) only below these bytes each way; from there MPI's collective reads device memory. The cap the CPU's
 shared-memory gate set before messages took every size on the CPU (2026-12-05); not yet measured on a GPU."""
-"""Bytes from which a message goes to the general path: the compiled calls pass an int count (mpi4py switches
-to MPI-4's large-count calls)."""
 _VOTE = (torch.int64, "max")
 _NOT_FAST = (None, None, 0)
 _ALLREDUCE, _ALLGATHER, _REDUCE_SCATTER, _BROADCAST = (

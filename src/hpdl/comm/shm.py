@@ -146,9 +146,10 @@ def thresholds(op: str, measured: Optional[tuple[int, int]] = None, messages: bo
     else never where `messages` (a two-rank communicator sends this op as messages at every size, and nothing was
     measured), else `measured` (`hpdl tune`'s), else the built-in numbers.
 
-    Two ranks, MPICH 5.0.2, 2-core VM (`hpdl bench comm`, one call between barriers), messages / this engine:
-    reduce_scatter 1158 / 1884 us at 4 MiB each way, 4963 / 8199 at 16 MiB (ordinary tensors, copied in), as fast
-    as shared buffers in place; allgather within a few percent of both and of MPICH's own."""
+    Two ranks, MPICH 5.0.2, 2-core VM, `hpdl bench comm` (one call between barriers), hpdl / mpi4py with this
+    engine (before 2026-12-05) and with messages, two runs each: reduce_scatter of ordinary tensors (copied in)
+    0.86-0.94x / 0.54-0.60x at 4 MiB each way, 0.92x / 0.57x at 16 MiB, 0.55x / 0.35-0.36x at 64 MiB; on shared
+    buffers in place 0.63-0.66x / 0.65-0.70x, 0.55x / 0.57-0.58x, 0.40x / 0.41x; allgather 0.94-1.18x in both."""
     both = env_number(f"HPDL_SHM_MIN_{op.upper()}", -1, int, "a number of bytes", allow_zero=True)
     if both >= 0:
         return (both, both)
