@@ -101,6 +101,19 @@ def test_allgather_uneven_sizes(group):
         assert scalar.tolist() == [float(r) for r in range(k)]
 
 
+def allgather_rows_differ(comm):
+    try:
+        comm.allgather(torch.zeros(2, 3 + comm.rank))  # no sizes: the ranks exchange them, and the rows' lengths
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_allgather_of_rows_that_differ_raises_on_every_rank(group):
+    for said in group.run(allgather_rows_differ):
+        assert said is not None and "only dim 0 may differ" in said, said
+
+
 def allgather_large(comm):
     x = torch.full((LARGE // comm.size,), float(comm.rank))
     y = comm.allgather(x)

@@ -472,7 +472,10 @@ class Communicator(ABC):
     def _exchange_sizes(self, t: torch.Tensor, seq: int) -> list[int]:
         """Every rank's dim-0 size, checking that the other dims agree (one small allgather)."""
         mine = torch.tensor([[t.shape[0], math.prod(t.shape[1:])]], dtype=torch.int64)
-        table = self._allgather(mine, [1] * self.size, seq).wait().view(-1).tolist()
+        return self._sizes_of(self._allgather(mine, [1] * self.size, seq).wait().view(-1).tolist())
+
+    def _sizes_of(self, table: list[int]) -> list[int]:
+        """Every rank's dim 0 from the exchanged (dim 0, elements per row) pairs, which must agree per row."""
         dims, rows = table[0::2], table[1::2]
         if len(set(rows)) > 1:
             raise ValueError(

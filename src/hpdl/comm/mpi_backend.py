@@ -491,6 +491,22 @@ class MpiCommunicator(Communicator):
                     return out
         return super().allgather(tensor, sizes=sizes, out=out, async_op=async_op)
 
+    def _exchange_sizes(self, t: torch.Tensor, seq: int) -> list[int]:
+        """The base's exchange of sizes through the fast path's call (back to back on 2 ranks, 4 KiB: an allgather
+        with neither `sizes` nor `out` took 31 us, 15 of them this exchange through the general path)."""
+        spec = self._fast_move.get(torch.int64)
+        if spec is None or not self._plain:
+            return super()._exchange_sizes(t, seq)
+        mine = torch.tensor([t.shape[0], math.prod(t.shape[1:])], dtype=torch.int64)
+        table = torch.empty(2 * self.size, dtype=torch.int64)
+        try:
+            request = self._call_allgather(self._handle, mine.data_ptr(), table.data_ptr(), 16, spec[0], _WAIT)
+            if request is not None:
+                Work(self, "allgather", seq, request.Test, keep=(mine, table)).wait()
+        except MPI.Exception as exc:
+            raise self._engine_error("allgather", seq, exc) from exc
+        return self._sizes_of(table.tolist())
+
     def reduce_scatter(self, tensor: Any, op: str = "sum", *, out: Any = None, async_op: bool = False) -> Any:
         if type(tensor) is _Tensor and self._plain and (out is None or type(out) is _Tensor):
             spec = self._fast_reduce_scatter.get((tensor.dtype, op))
