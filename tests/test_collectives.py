@@ -102,16 +102,30 @@ def test_allgather_uneven_sizes(group):
 
 
 def allgather_rows_differ(comm):
-    try:
-        comm.allgather(torch.zeros(2, 3 + comm.rank))  # no sizes: the ranks exchange them, and the rows' lengths
-    except ValueError as exc:
-        return str(exc)
-    return None
+    """Rows of different lengths (no sizes: the ranks exchange them, and the rows' lengths), then a barrier, whose
+    agreement check sees that the ranks called the allgather differently: what each call raised, or None."""
+    from hpdl.errors import CollectiveMismatchError
+
+    said = []
+    for call in (lambda: comm.allgather(torch.zeros(2, 3 + comm.rank)), comm.barrier):
+        try:
+            call()
+            said.append(None)
+        except (ValueError, CollectiveMismatchError) as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    return (*said, comm.check_every)
 
 
 def test_allgather_of_rows_that_differ_raises_on_every_rank(group):
-    for said in group.run(allgather_rows_differ):
-        assert said is not None and "only dim 0 may differ" in said, said
+    for gathered, checked, every in group.run(allgather_rows_differ):
+        if group.nprocs == 1:  # one rank cannot differ from itself
+            assert gathered is None and checked is None
+            continue
+        assert gathered is not None and gathered.startswith("ValueError") and "only dim 0 may differ" in gathered
+        if every:  # (MPI's default; gloo compares sizes itself and runs no check)
+            assert checked is not None and checked.startswith("CollectiveMismatchError") and "allgather" in checked
+        else:
+            assert checked is None
 
 
 def allgather_large(comm):
