@@ -32,7 +32,9 @@ from hpdl.runtime import spawn
 
 __all__ = ["launch", "main"]
 
-OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv")
+OPS = ("allreduce", "allgather", "reduce_scatter", "reduce_scatter 8 MiB", "broadcast", "alltoall", "sendrecv")
+"""("reduce_scatter 8 MiB": a block each way above the size from which the mpi backend leaves a CUDA tensor to a
+CUDA-aware MPI's collective instead of messages staged through the host, mpi_backend._DEVICE_PAIR_BELOW)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,14 +97,17 @@ def collectives(comm: Any, device: Any) -> list[tuple[str, str, str]]:
             continue
         started = time.perf_counter()
         try:
-            outputs = []
+            outputs, seconds = [], []
             for where in (torch.device("cpu"), device):
-                x = (torch.arange(k * 1024, dtype=torch.float32, device=where) + r).reshape(k, 1024)
+                row = 2 << 20 if op == "reduce_scatter 8 MiB" else 1024
+                x = (torch.arange(k * row, dtype=torch.float32, device=where) + r).reshape(k, row)
+                comm.barrier()
+                began = time.perf_counter()
                 if op == "allreduce":
                     outputs.append(comm.allreduce(x.clone(), op="avg"))
                 elif op == "allgather":
                     outputs.append(comm.allgather(x[: r + 1].contiguous()))
-                elif op == "reduce_scatter":
+                elif op.startswith("reduce_scatter"):
                     outputs.append(comm.reduce_scatter(x))
                 elif op == "broadcast":
                     outputs.append(comm.broadcast(x.clone(), root=k - 1))
@@ -114,10 +119,14 @@ def collectives(comm: Any, device: Any) -> list[tuple[str, str, str]]:
                     comm.recv(y, (r - 1) % k)
                     sending.wait()
                     outputs.append(y)
+                if where.type == "cuda":
+                    torch.cuda.synchronize(where)
+                seconds.append(time.perf_counter() - began)
             on_cpu, on_device = outputs
             same = on_device.device.type == device.type and torch.equal(on_device.cpu(), on_cpu)
             elapsed = (time.perf_counter() - started) * 1e3
-            results.append((op, "PASS" if same else "FAIL", f"{on_device.device}, {elapsed:.1f} ms for both"))
+            calls = f"the call {seconds[0] * 1e3:.2f} ms on cpu, {seconds[1] * 1e3:.2f} ms on {on_device.device}"
+            results.append((op, "PASS" if same else "FAIL", f"{on_device.device}, {elapsed:.1f} ms for both ({calls})"))
         except Exception as exc:  # report every op, do not stop at the first
             results.append((op, "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
     return results
