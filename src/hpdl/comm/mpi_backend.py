@@ -446,6 +446,7 @@ class MpiCommunicator(Communicator):
             shape = tensor.shape  # equal sizes and no `out` (torch's list all_gather): the new tensor made here
             if shape and len(sizes) == self.size and sizes.count(shape[0]) == self.size and tensor.is_cpu:
                 out = torch.empty((shape[0] * self.size, *shape[1:]), dtype=tensor.dtype)
+                sizes = None  # (checked: with `out`, no sizes means every rank's dim 0 equals this one's)
         # (with `out` and no `sizes` every rank's dim 0 is taken to equal this rank's, as the general path takes it)
         if type(tensor) is _Tensor and type(out) is _Tensor and (sizes is None or type(sizes) in _SEQUENCES) and (
             self._plain
