@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from collective_data import SHM_FORCED
 from conftest import RankError
 from hpdl.errors import CollectiveMismatchError, CommError
 from hpdl.runtime.spawn import local_mpiexec
@@ -95,6 +96,23 @@ def barrier_after_mismatch(comm):
         assert "different sizes" in str(exc), exc
     comm.barrier()  # a barrier is a check too
     return "no error"
+
+
+def shared_memory_sizes_differ(comm, mixed):
+    """Two ranks on the shared-memory engine, tensors of 20,000 and 20,001 floats: views of shared buffers (each
+    rank writes its sums into the other's buffer too), or with `mixed` an ordinary tensor on the last rank.
+    (the error at the call, whether the tensors and the rest of the buffers kept their values, the check's error)"""
+    last = comm.rank == comm.size - 1
+    window = comm.shared_buffer(20_100)
+    window.fill_(7.0)
+    t = torch.full((20_001,), 7.0) if mixed and last else window[: 20_000 + last]
+    try:
+        comm.allreduce(t)
+        at_once = ""
+    except CollectiveMismatchError as exc:
+        at_once = str(exc)
+    kept = bool(window.eq(7.0).all()) and bool(t.eq(7.0).all())
+    return at_once, kept, _then_the_check(comm, at_once)[1]
 
 
 def short_message(comm):
@@ -203,6 +221,19 @@ def test_barrier_checks_and_the_ranks_keep_working(ranks):
     for error in pool.run(barrier_after_mismatch, expect_errors=True):
         assert isinstance(error, RankError) and error.type_name == "CollectiveMismatchError", error
         assert "on 16 B" in error.message and "on 12 B" in error.message
+    assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["shared buffers", "one ordinary tensor"])
+def test_sizes_that_differ_on_the_shared_memory_engine_are_an_error_before_anything_is_written(ranks, mixed):
+    """The engine's float sum reads the other ranks' tensors where they lie and, on two ranks with shared buffers,
+    writes into them: ranks whose tensors differ in length raise at the call, on every rank, with nothing
+    changed (not a write past the shorter tensor into the memory after it), and go on."""
+    pool = ranks("mpi", 2, SHM_FORCED)
+    for at_once, kept, check in pool.run(shared_memory_sizes_differ, mixed):
+        assert "allreduce (shared memory)" in at_once and "rank 0: 20000, rank 1: 20001 elements" in at_once, at_once
+        assert "no tensor was changed" in at_once and kept
+        assert "on 80000 B" in check and "on 80004 B" in check, check
     assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
 
 

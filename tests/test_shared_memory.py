@@ -163,7 +163,8 @@ def test_fusion_buckets_reduced_straight_from_their_tensors(ranks, nprocs, env):
 
 def float_sums_both_routes(comm):
     """Random float sums and averages through the compiled in-place reduction and through torch's (the same
-    calls on the same inputs): plain tensors, fusion buckets and a reduce-scatter, in pieces that cut tensors:
+    calls on the same inputs): plain tensors, fusion buckets, tensors in shared buffers (on every rank, on some)
+    and a reduce-scatter, in pieces that cut tensors:
     (the compiled reductions made, the results of each route)."""
     from hpdl.comm import fusion
 
@@ -182,9 +183,18 @@ def float_sums_both_routes(comm):
                     comm.allreduce(plain, op)
                     bucket = [torch.randn(n, generator=generator, dtype=dtype) for n in (3, 20_000, 1, 17_000)]
                     comm.allreduce_coalesced(bucket, op)
+                    # in shared buffers on every rank (two ranks: each writes its sums into the other's), and on
+                    # even ranks only (the others staged)
+                    shared = comm.shared_buffer(100_003, dtype)
+                    shared.copy_(torch.randn(100_003, generator=generator, dtype=dtype))
+                    comm.allreduce(shared, op)
+                    window = comm.shared_buffer(100_003, dtype)
+                    mixed = window if comm.rank % 2 == 0 else torch.empty(100_003, dtype=dtype)
+                    mixed.copy_(torch.randn(100_003, generator=generator, dtype=dtype))
+                    comm.allreduce(mixed, op)
                     blocks = torch.randn(comm.size * 30_001, generator=generator, dtype=dtype)
                     scattered = comm.reduce_scatter(blocks, op)
-                    results[(route, str(dtype), op)] = [plain, *bucket, scattered]
+                    results[(route, str(dtype), op)] = [plain, *bucket, shared.clone(), mixed.clone(), scattered]
     finally:
         fusion.reduce_range, fusion.summed_in_place = compiled_reduce, summed_in_place
     return len(calls), results
@@ -207,7 +217,7 @@ def test_float_sums_reduced_in_place_equal_torch_reduction(ranks, nprocs):
     inputs = [torch.Generator().manual_seed(r) for r in range(nprocs)]  # drawn in the ranks' order
     for dtype in (torch.float32, torch.float64):
         for op in ("sum", "avg"):
-            sizes = (50_001, 3, 20_000, 1, 17_000, nprocs * 30_001)
+            sizes = (50_001, 3, 20_000, 1, 17_000, 100_003, 100_003, nprocs * 30_001)
             drawn = [[torch.randn(n, generator=g, dtype=dtype) for n in sizes] for g in inputs]
             for rank, (_, out) in enumerate(results):
                 exact = sum(rank_inputs[-1].double() for rank_inputs in drawn) / (nprocs if op == "avg" else 1)
@@ -434,7 +444,9 @@ def default_thresholds(comm):
 def test_default_thresholds_agree_on_one_path(ranks):
     total = 3.0
     for shared_phases, plain_phases, shared, plain, mixed, pieces in ranks("mpi", 2).run(default_thresholds):
-        assert shared_phases == 1 + 3 * pieces  # agreement + the three phases of each piece of the allreduce
+        # agreement + two meetings a piece: both ranks' tensors in shared buffers, each rank writes its slice's
+        # sums into the other's too (three where a rank's results must be copied: staged, or more ranks)
+        assert shared_phases == 1 + 2 * pieces
         assert plain_phases == 1  # agreement only: the ordinary tensor went through MPI
         assert shared == total and plain == total and mixed == total
 

@@ -81,19 +81,26 @@ static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { return copy(args, nargs, 0); }
 
 /* One tensor's part of a reduced range: tensor[i] (op) each source's [i], in the sources' order, then divided
-   by `divisor` when it is not 1; the result written back into the tensor and to `out`. One pass per source over
-   a few kilobytes (in cache): simple loops the compiler vectorises, and each element combined in the same order
-   as torch's add_ one source after another would (the same bits). */
+   by `divisor` when it is not 1; the result written back into the tensor and to `out`. Block by block (a few
+   kilobytes, in cache), one pass per source over the block: simple loops the compiler vectorises, each element
+   combined in the same order as torch's add_ one source after another would (the same bits), and the copy to
+   `out` reads the block from cache (a copy of the whole range afterwards reads it from memory again). */
+#define REDUCE_BLOCK_BYTES 8192
 #define REDUCE_SUM(T)                                                                                            \
     static void reduce_sum_##T(T *tensor, T *out, char *const *sources, Py_ssize_t nsources, long long offset,  \
                                long long count, long long divisor) {                                            \
-        for (Py_ssize_t k = 0; k < nsources; k++) {                                                             \
-            const T *source = (const T *)(sources[k] + offset);                                                 \
-            for (long long i = 0; i < count; i++) tensor[i] += source[i];                                       \
+        const long long block = REDUCE_BLOCK_BYTES / (long long)sizeof(T);                                      \
+        for (long long first = 0; first < count; first += block) {                                              \
+            long long n = count - first < block ? count - first : block;                                        \
+            T *part = tensor + first;                                                                           \
+            for (Py_ssize_t k = 0; k < nsources; k++) {                                                         \
+                const T *source = (const T *)(sources[k] + offset) + first;                                     \
+                for (long long i = 0; i < n; i++) part[i] += source[i];                                         \
+            }                                                                                                   \
+            if (divisor != 1)                                                                                   \
+                for (long long i = 0; i < n; i++) part[i] /= (T)divisor;                                       \
+            if (out != NULL) memcpy(out + offset / (long long)sizeof(T) + first, part, (size_t)n * sizeof(T));  \
         }                                                                                                       \
-        if (divisor != 1)                                                                                       \
-            for (long long i = 0; i < count; i++) tensor[i] /= (T)divisor;                                     \
-        if (out != NULL) memcpy(out + offset / (long long)sizeof(T), tensor, (size_t)count * sizeof(T));        \
     }
 REDUCE_SUM(float)
 REDUCE_SUM(double)
@@ -104,7 +111,7 @@ enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
    tensors' concatenation summed in place with the same bytes of every source (a tuple of addresses, each
    holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined),
    divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
-   ranks copy it from; 0: nowhere else). The shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py):
+   ranks copy it from, or on two ranks with shared buffers the other rank's own tensor; 0: nowhere else). The shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py):
    each rank reduces its slice where it lies in its own tensors, with no flat buffer and no torch call per
    piece. */
 static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

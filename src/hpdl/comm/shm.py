@@ -37,7 +37,7 @@ import torch
 
 from hpdl.comm import fusion
 from hpdl.comm.env import env_flag, env_number
-from hpdl.errors import CommTimeoutError
+from hpdl.errors import CollectiveMismatchError, CommTimeoutError
 
 if TYPE_CHECKING:
     from hpdl.comm.fusion import Bucket
@@ -84,10 +84,17 @@ _MB = 1024 * 1024
 # from 4 MiB in two later runs. Allreduce of ordinary tensors moved from 8 MiB
 # to 32 MiB then: with pieces round the segment it was 1.06-1.23x MPI at 8-16
 # MiB and 0.51-0.61x from 32 MiB (one call between barriers, four runs).
+# Allreduce on shared buffers moved from 2 MiB to 1 MiB (2026-12-05) once two
+# ranks each wrote their slice's sums into the other's buffer in the same pass
+# (no copy out, two meetings a piece) and the compiled sum went block by block
+# (`hpdl bench comm`, that route forced from 256 KiB, two runs: 1.34-1.46x
+# mpi4py's time at 256 KiB, 0.98-1.03x at 512 KiB, 0.64-0.68x at 1 MiB,
+# 0.54x at 2 MiB). Ordinary tensors stay at 32 MiB: copied in, the same
+# route was 0.98-1.09x MPI at 4-16 MiB (two runs each way).
 # HPDL_SHM_MIN_<OP>=bytes overrides both numbers of one operation.
 NEVER = 1 << 62
 DEFAULT_THRESHOLDS = {
-    "allreduce": (2 * _MB, 32 * _MB),
+    "allreduce": (1 * _MB, 32 * _MB),
     "reduce_scatter": (2 * _MB, 8 * _MB),
     "allgather": (16 * _MB, NEVER),
     "broadcast": (NEVER, NEVER),
@@ -393,7 +400,7 @@ class NodeCollectives:
         """Say where this rank's data lives for the coming operation; True when it is zero-copy."""
         index, offset = self._locate(t)
         mine = self._words[self.local_rank]
-        mine[1], mine[2] = index, offset
+        mine[1], mine[2], mine[3] = index, offset, t.numel()
         return index >= 0
 
     def all_zero_copy(self, t: torch.Tensor) -> bool:
@@ -449,8 +456,8 @@ class NodeCollectives:
         """
         flat = t.view(-1)
         zero_copy = self._publish(flat)
-        if not zero_copy and across is None and op in ("sum", "avg") and fusion.summed_in_place(t.dtype) and t.is_cpu:
-            self._allreduce_in_place(fusion.table_of([flat]), t.dtype, flat.numel(), divisor)
+        if across is None and op in ("sum", "avg") and fusion.summed_in_place(t.dtype) and t.is_cpu:
+            self._allreduce_in_place(fusion.table_of([flat]), t.dtype, flat.numel(), divisor, zero_copy)
             return
         step = self._chunk(t.dtype)
         slots = self._slots(step * t.element_size())
@@ -498,7 +505,8 @@ class NodeCollectives:
         """Allreduce a fusion bucket without its flat buffer: the tensors are staged straight into the segment
         and the reduced slices copied straight back into them, where packing the flat buffer, reducing it and
         unpacking it copy everything twice more (`divisor`: the reduced values are divided by it, an average)."""
-        self._words[self.local_rank][1] = -1  # staged, not in a shared buffer
+        mine = self._words[self.local_rank]
+        mine[1], mine[3] = -1, bucket.flat.numel()  # staged, not in a shared buffer
         if across is None and op in ("sum", "avg") and fusion.summed_in_place(bucket.flat.dtype):
             self._allreduce_in_place(bucket.table, bucket.flat.dtype, bucket.flat.numel(), divisor)  # type: ignore[arg-type]
             bucket.modified()
@@ -521,37 +529,59 @@ class NodeCollectives:
             self._sync("allreduce_coalesced: results read")
         bucket.modified()
 
-    def _allreduce_in_place(self, table: bytes, dtype: torch.dtype, count: int, divisor: int) -> None:
+    def _allreduce_in_place(
+        self, table: bytes, dtype: torch.dtype, count: int, divisor: int, zero_copy: bool = False
+    ) -> None:
         """A float sum (or average) on one node of the tensors in `table` (the compiled copies' (address, bytes)
         pairs), with no flat buffer and no torch call per piece: a rank stages only the slices the others reduce,
         reduces its own slice where it lies (the compiled loop reads its values there, adds the others' staged
         ones in `_reduce_my_slice`'s order, writes the result back and into its segment) and copies the others'
         results from theirs. Staging everything, reducing in the segment and copying every slice back moves half
-        as much again. This rank stages; a rank on the general route for the same call (a flat buffer, or a tensor
-        in a shared buffer, read where it lies) lays its pieces out the same way."""
+        as much again. A rank whose tensor is in a shared buffer (`zero_copy`) stages nothing and leaves its
+        result where it lies; where both ranks of two have theirs in shared buffers, each writes its slice's
+        result into the other's buffer too (in the same pass), so nobody copies anything afterwards and a piece
+        takes two meetings instead of three."""
         itemsize = dtype.itemsize
         step = self._chunk(dtype)
         slots = self._slots(step * itemsize)
         me, ranks = self.local_rank, range(self.local_size)
         stage = self._stage[me].data_ptr()
         order = self._others
+        direct: Optional[bool] = None  # both of two ranks in shared buffers (known after the first meeting)
         for start in range(0, max(count, 1), step):  # (nothing: one empty piece, as the general route's)
             n, at = min(step, count - start), next(slots)
             bounds = [_bounds(n, self.local_size, rank) for rank in ranks]
-            for rank in order:
-                a, b = bounds[rank]
-                fusion.pack_range(table, stage + at + a * itemsize, (start + a) * itemsize, (b - a) * itemsize)
+            if not zero_copy:
+                for rank in order:
+                    a, b = bounds[rank]
+                    fusion.pack_range(table, stage + at + a * itemsize, (start + a) * itemsize, (b - a) * itemsize)
             self._sync("allreduce: inputs")
+            if direct is None:
+                self._check_counts("allreduce")
+                direct = self.local_size == 2 and all(words[1] >= 0 for words in self._words)
             bases = {rank: self._piece_address(rank, dtype, start, at) for rank in order}
             a, b = bounds[me]
             sources = tuple(bases[rank] + a * itemsize for rank in order)
-            out = stage + at + a * itemsize
+            out = sources[0] if direct else 0 if zero_copy else stage + at + a * itemsize
             fusion.reduce_range(table, dtype, (start + a) * itemsize, (b - a) * itemsize, out, sources, divisor)
             self._sync("allreduce: reduced slices")
+            if direct:
+                continue
             for rank in order:
                 a, b = bounds[rank]
                 fusion.unpack_range(table, bases[rank] + a * itemsize, (start + a) * itemsize, (b - a) * itemsize)
             self._sync("allreduce: results read")
+
+    def _check_counts(self, what: str) -> None:
+        """After an operation's first meeting, before anything is written: on every rank alike, an error when the
+        ranks' tensors hold different numbers of elements (a rank must not read or write past another's)."""
+        counts = [words[3] for words in self._words]
+        if len(set(counts)) > 1:
+            sizes = ", ".join(f"rank {self.ranks[rank]}: {count}" for rank, count in enumerate(counts))
+            raise CollectiveMismatchError(
+                f"{what} (shared memory) on {self._describe()}: the ranks passed tensors of different sizes "
+                f"({sizes} elements); no tensor was changed. Every rank must pass a tensor of the same size."
+            )
 
     def _piece_address(self, rank: int, dtype: torch.dtype, start: int, at: int) -> int:
         """Where rank `rank`'s elements from `start` of the current operation are: staged at byte `at` of its
