@@ -74,29 +74,39 @@ def test_messages_give_what_the_collectives_give(ranks):
 
 
 def past_the_thresholds(comm):
-    """An ordinary reduce_scatter and allgather larger than the shared-memory path's built-in thresholds."""
+    """An ordinary reduce_scatter and allgather larger than the shared-memory path's built-in thresholds, then the
+    same reduce_scatter from a shared buffer: (the engine's steps in each, the thresholds in force, the results)."""
     from hpdl.comm import shm
 
-    comm.shared_buffer(16)  # the engine running (a shared buffer starts it), counting its own steps
-    n = shm.DEFAULT_THRESHOLDS["reduce_scatter"][1] // 4  # float32 elements of input
+    shared = comm.shared_buffer(shm.DEFAULT_THRESHOLDS["reduce_scatter"][1] // 4)  # (the engine runs, counting)
+    n = shared.numel()  # float32 elements of input
     before = comm._node._phase
     block = comm.reduce_scatter(values(comm.rank, n, torch.float32), out=torch.empty(n // 2))
     gathered = comm.allgather(block, sizes=[n // 2] * 2)
     steps = comm._node._phase - before
-    return steps, comm._shm_thresholds["reduce_scatter"], comm._shm_thresholds["allgather"], gathered
+    shared.copy_(values(comm.rank, n, torch.float32))
+    before = comm._node._phase
+    from_shared = comm.reduce_scatter(shared, out=torch.empty(n // 2))
+    shared_steps = comm._node._phase - before
+    thresholds = comm._shm_thresholds["reduce_scatter"], comm._shm_thresholds["allgather"]
+    return steps, shared_steps, *thresholds, gathered, torch.equal(from_shared, block)
 
 
 def test_two_ranks_send_large_reduce_scatters_and_allgathers_as_messages(ranks):
-    """Messages beat the shared-memory engine there on two ranks (shm.thresholds): the engine takes no step, and
-    the sums are one float32 addition per element, as torch's."""
+    """Messages beat the shared-memory engine there on two ranks (shm.thresholds): the engine takes no step but the
+    agreement on shared buffers, and the sums are one float32 addition per element, as torch's. A reduce_scatter
+    of shared buffers on both ranks takes the engine (it sums both blocks where they lie, in one pass): the same
+    bits."""
     from hpdl.comm import shm
 
     n = shm.DEFAULT_THRESHOLDS["reduce_scatter"][1] // 4
     expected = values(0, n, torch.float32) + values(1, n, torch.float32)
-    for engine_steps, reduce_scatter, allgather, gathered in ranks("mpi", 2).run(past_the_thresholds):
-        assert engine_steps == 0
-        assert reduce_scatter == allgather == (shm.NEVER, shm.NEVER)
+    for steps, shared_steps, reduce_scatter, allgather, gathered, same in ranks("mpi", 2).run(past_the_thresholds):
+        assert steps == 1  # the ranks agree that their tensors are not in shared buffers; then messages
+        assert reduce_scatter == (shm.TWO_RANKS_SHARED["reduce_scatter"], shm.NEVER) and n * 4 >= reduce_scatter[0]
+        assert allgather == (shm.NEVER, shm.NEVER)
         assert torch.equal(gathered, expected)
+        assert shared_steps > 2 and same  # (the agreement on shared buffers, then two meetings a piece)
 
 
 def pair_state(comm):

@@ -164,13 +164,13 @@ def test_fusion_buckets_reduced_straight_from_their_tensors(ranks, nprocs, env):
 def float_sums_both_routes(comm):
     """Random float sums and averages through the compiled in-place reduction and through torch's (the same
     calls on the same inputs): plain tensors, fusion buckets, tensors in shared buffers (on every rank, on some)
-    and a reduce-scatter, in pieces that cut tensors:
+    and reduce-scatters (of an ordinary tensor, of shared buffers), in pieces that cut tensors:
     (the compiled reductions made, the results of each route)."""
     from hpdl.comm import fusion
 
     calls = []
     compiled_reduce, summed_in_place = fusion.reduce_range, fusion.summed_in_place
-    fusion.reduce_range = lambda *args: (calls.append(args[1]), compiled_reduce(*args))[-1]
+    fusion.reduce_range = lambda *args, **kwargs: (calls.append(args[1]), compiled_reduce(*args, **kwargs))[-1]
     results = {}
     try:
         for route in ("compiled", "torch"):
@@ -194,7 +194,11 @@ def float_sums_both_routes(comm):
                     comm.allreduce(mixed, op)
                     blocks = torch.randn(comm.size * 30_001, generator=generator, dtype=dtype)
                     scattered = comm.reduce_scatter(blocks, op)
-                    results[(route, str(dtype), op)] = [plain, *bucket, shared.clone(), mixed.clone(), scattered]
+                    shared_blocks = comm.shared_buffer(comm.size * 30_001, dtype)  # read where they lie
+                    shared_blocks.copy_(torch.randn(comm.size * 30_001, generator=generator, dtype=dtype))
+                    scattered_shared = comm.reduce_scatter(shared_blocks, op)
+                    reduced = [plain, *bucket, shared.clone(), mixed.clone()]
+                    results[(route, str(dtype), op)] = [*reduced, scattered, scattered_shared]
     finally:
         fusion.reduce_range, fusion.summed_in_place = compiled_reduce, summed_in_place
     return len(calls), results
@@ -210,20 +214,23 @@ def test_float_sums_reduced_in_place_equal_torch_reduction(ranks, nprocs):
     for calls, out in results:
         assert calls > 12  # 2 dtypes x 2 ops x (plain + bucket + reduce-scatter), several pieces each
         for (route, dtype_name, op), tensors in out.items():
-            *reduced, scattered = tensors
+            *reduced, scattered, scattered_shared = tensors
             for value, expected in zip(reduced, first[("compiled", dtype_name, op)]):
                 assert torch.equal(value, expected), (route, dtype_name, op)  # every rank, both routes: same bits
-            assert torch.equal(scattered, out[("compiled", dtype_name, op)][-1]), (route, dtype_name, op)
+            compiled = out[("compiled", dtype_name, op)]
+            assert torch.equal(scattered, compiled[-2]), (route, dtype_name, op)
+            assert torch.equal(scattered_shared, compiled[-1]), (route, dtype_name, op)
     inputs = [torch.Generator().manual_seed(r) for r in range(nprocs)]  # drawn in the ranks' order
     for dtype in (torch.float32, torch.float64):
         for op in ("sum", "avg"):
-            sizes = (50_001, 3, 20_000, 1, 17_000, 100_003, 100_003, nprocs * 30_001)
+            sizes = (50_001, 3, 20_000, 1, 17_000, 100_003, 100_003, nprocs * 30_001, nprocs * 30_001)
             drawn = [[torch.randn(n, generator=g, dtype=dtype) for n in sizes] for g in inputs]
             for rank, (_, out) in enumerate(results):
-                exact = sum(rank_inputs[-1].double() for rank_inputs in drawn) / (nprocs if op == "avg" else 1)
-                block = exact[rank * 30_001 : (rank + 1) * 30_001]
-                assert torch.allclose(out[("compiled", str(dtype), op)][-1].double(), block, rtol=0, atol=1e-5)
-            for i, value in enumerate(first[("compiled", str(dtype), op)][:-1]):
+                for i in (-2, -1):
+                    exact = sum(rank_inputs[i].double() for rank_inputs in drawn) / (nprocs if op == "avg" else 1)
+                    block = exact[rank * 30_001 : (rank + 1) * 30_001]
+                    assert torch.allclose(out[("compiled", str(dtype), op)][i].double(), block, rtol=0, atol=1e-5)
+            for i, value in enumerate(first[("compiled", str(dtype), op)][:-2]):
                 exact = sum(rank_inputs[i].double() for rank_inputs in drawn) / (nprocs if op == "avg" else 1)
                 tolerance = 1e-5 if dtype == torch.float32 else 1e-12
                 assert torch.allclose(value.double(), exact, rtol=0, atol=tolerance), (str(dtype), op, i)

@@ -88,12 +88,21 @@ static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #define REDUCE_BLOCK_BYTES 8192
 #define REDUCE_SUM(T)                                                                                            \
     static void reduce_sum_##T(T *tensor, T *out, char *const *sources, Py_ssize_t nsources, long long offset,  \
-                               long long count, long long divisor) {                                            \
+                               long long count, long long divisor, int assign) {                                \
         const long long block = REDUCE_BLOCK_BYTES / (long long)sizeof(T);                                      \
         for (long long first = 0; first < count; first += block) {                                              \
             long long n = count - first < block ? count - first : block;                                        \
             T *part = tensor + first;                                                                           \
-            for (Py_ssize_t k = 0; k < nsources; k++) {                                                         \
+            Py_ssize_t k = 0;                                                                                   \
+            if (assign && nsources >= 2) { /* the tensor's values are not an operand: the first two sources */  \
+                const T *a = (const T *)(sources[0] + offset) + first, *b = (const T *)(sources[1] + offset) + first; \
+                for (long long i = 0; i < n; i++) part[i] = a[i] + b[i];                                        \
+                k = 2;                                                                                          \
+            } else if (assign && nsources == 1) {                                                               \
+                memcpy(part, (const T *)(sources[0] + offset) + first, (size_t)n * sizeof(T));                  \
+                k = 1;                                                                                          \
+            }                                                                                                   \
+            for (; k < nsources; k++) {                                                                         \
                 const T *source = (const T *)(sources[k] + offset) + first;                                     \
                 for (long long i = 0; i < n; i++) part[i] += source[i];                                         \
             }                                                                                                   \
@@ -107,20 +116,23 @@ REDUCE_SUM(double)
 
 enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
 
-/* reduce(table, start, length, out_address, sources, kind, divisor): bytes [start, start + length) of the
-   tensors' concatenation summed in place with the same bytes of every source (a tuple of addresses, each
-   holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined),
+/* reduce(table, start, length, out_address, sources, kind, divisor[, assign]): bytes [start, start + length) of
+   the tensors' concatenation summed in place with the same bytes of every source (a tuple of addresses, each
+   holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined; with
+   `assign` true the tensors' own values are not an operand: they receive the sum of the sources alone),
    divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
    ranks copy it from, or on two ranks with shared buffers the other rank's own tensor; 0: nowhere else). The shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py):
    each rank reduces its slice where it lies in its own tensors, with no flat buffer and no torch call per
    piece. */
 static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "hpdl._copies.reduce: (table, start, length, out address, sources, kind, divisor) expected");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "hpdl._copies.reduce: (table, start, length, out address, sources, kind, "
+                                         "divisor[, assign]) expected");
         return NULL;
     }
+    int assign = nargs == 8 ? PyObject_IsTrue(args[7]) : 0;
+    if (assign < 0) return NULL;
     long long start = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
     char *out = PyLong_AsVoidPtr(args[3]); /* NULL for 0 */
     long kind = PyLong_AsLong(args[5]);
@@ -164,9 +176,9 @@ static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             long long take = nbytes - skip < length - done ? nbytes - skip : length - done;
             char *tensor = (char *)(intptr_t)pairs[2 * i] + skip;
             if (kind == KIND_FLOAT32_SUM)
-                reduce_sum_float((float *)tensor, (float *)out, sources, nsources, done, take / 4, divisor);
+                reduce_sum_float((float *)tensor, (float *)out, sources, nsources, done, take / 4, divisor, assign);
             else
-                reduce_sum_double((double *)tensor, (double *)out, sources, nsources, done, take / 8, divisor);
+                reduce_sum_double((double *)tensor, (double *)out, sources, nsources, done, take / 8, divisor, assign);
             done += take;
         }
         at += nbytes;

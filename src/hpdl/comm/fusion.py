@@ -120,11 +120,19 @@ def summed_in_place(dtype: torch.dtype) -> bool:
 
 
 def reduce_range(
-    table: bytes, dtype: torch.dtype, start: int, length: int, out: int, sources: tuple[int, ...], divisor: int
+    table: bytes,
+    dtype: torch.dtype,
+    start: int,
+    length: int,
+    out: int,
+    sources: tuple[int, ...],
+    divisor: int,
+    assign: bool = False,
 ) -> None:
     """Bytes [start, start + length) of the table's tensors summed in place with `length` bytes at each of
-    `sources` (in that order), divided by `divisor` (1: a sum), and also written to address `out` (0: not)."""
-    _copies.reduce(table, start, length, out, sources, _REDUCE_KINDS[dtype], divisor)
+    `sources` (in that order), divided by `divisor` (1: a sum), and also written to address `out` (0: not);
+    with `assign` the tensors receive the sum of the sources alone (their own values are not an operand)."""
+    _copies.reduce(table, start, length, out, sources, _REDUCE_KINDS[dtype], divisor, assign)
 
 
 def pack_range(table: bytes, address: int, start: int, length: int) -> None:

@@ -148,10 +148,19 @@ def piece_bytes() -> int:
     return max(int(megabytes * 1024 * 1024) // 64 * 64, 64)
 
 
+TWO_RANKS_SHARED = {"reduce_scatter": 4 * _MB}
+"""On a communicator of two ranks that sends an op as messages at every size: where shared buffers on both ranks
+still take the engine (bytes of input; other ops never). Measured 2026-12-05, 2 ranks of the 2-core VM, `hpdl
+bench comm` (hpdl-mpi-shm, one call between barriers), once the engine summed both ranks' blocks where they lie
+in one compiled pass (messages / engine, us, two runs each): 1 MiB of output per rank 252, 203 / 248, 240;
+2 MiB 655, 532 / 459, 418; 4 MiB 1371 / 971; 64 MiB 22.9 / 15.2 ms (mpi4py 54.5 ms)."""
+
+
 def thresholds(op: str, measured: Optional[tuple[int, int]] = None, messages: bool = False) -> tuple[int, int]:
     """(smallest size with shared buffers in use, smallest size for ordinary tensors), in bytes: HPDL_SHM_MIN_<OP>,
-    else never where `messages` (a two-rank communicator sends this op as messages at every size, and nothing was
-    measured), else `measured` (`hpdl tune`'s), else the built-in numbers.
+    else where `messages` (a two-rank communicator sends this op as messages at every size, and nothing was
+    measured) never for ordinary tensors and `TWO_RANKS_SHARED` for shared buffers, else `measured` (`hpdl
+    tune`'s), else the built-in numbers.
 
     Two ranks, MPICH 5.0.2, 2-core VM, `hpdl bench comm` (one call between barriers), hpdl / mpi4py with this
     engine (before 2026-12-05) and with messages, two runs each: reduce_scatter of ordinary tensors (copied in)
@@ -161,7 +170,7 @@ def thresholds(op: str, measured: Optional[tuple[int, int]] = None, messages: bo
     if both >= 0:
         return (both, both)
     if messages:
-        return (NEVER, NEVER)
+        return (TWO_RANKS_SHARED.get(op, NEVER), NEVER)
     return DEFAULT_THRESHOLDS[op] if measured is None else measured
 
 
@@ -578,6 +587,7 @@ class NodeCollectives:
         counts = [words[3] for words in self._words]
         if len(set(counts)) > 1:
             sizes = ", ".join(f"rank {self.ranks[rank]}: {count}" for rank, count in enumerate(counts))
+            self._sync(f"{what}: sizes read")  # nobody publishes its next call's before every rank read these
             raise CollectiveMismatchError(
                 f"{what} (shared memory) on {self._describe()}: the ranks passed tensors of different sizes "
                 f"({sizes} elements); no tensor was changed. Every rank must pass a tensor of the same size."
@@ -596,8 +606,8 @@ class NodeCollectives:
         flat, result = t.view(-1), out.view(-1)
         block = result.numel()
         zero_copy = self._publish(flat)
-        if not zero_copy and op in ("sum", "avg") and fusion.summed_in_place(t.dtype) and t.is_cpu and out.is_cpu:
-            self._reduce_scatter_in_place(flat, result)
+        if op in ("sum", "avg") and fusion.summed_in_place(t.dtype) and t.is_cpu and out.is_cpu:
+            self._reduce_scatter_in_place(flat, result, zero_copy)
             return
         step = max(self._chunk(t.dtype) // self.local_size, 1)
         me, blocks, dtype = self.local_rank, flat.view(self.local_size, block), t.dtype
@@ -626,10 +636,11 @@ class NodeCollectives:
                 target.copy_(acc)
             self._sync("reduce_scatter: inputs read")
 
-    def _reduce_scatter_in_place(self, flat: torch.Tensor, result: torch.Tensor) -> None:
+    def _reduce_scatter_in_place(self, flat: torch.Tensor, result: torch.Tensor, zero_copy: bool = False) -> None:
         """`reduce_scatter` of a float sum with the compiled loop: a rank stages the columns of the others' blocks
-        (as the general route lays them out), copies its own into `result` and adds the others' staged copies
-        of its block there, in the general route's order (the same bits), with no torch call per piece."""
+        (as the general route lays them out; nothing where its input is in a shared buffer, `zero_copy`, read
+        where it lies), copies its own into `result` and adds the others' copies of its block there, in the
+        general route's order (the same bits), with no torch call per piece."""
         dtype, itemsize, block = flat.dtype, flat.element_size(), result.numel()
         source, target = fusion.table_of([flat]), fusion.table_of([result])
         me, step = self.local_rank, max(self._chunk(dtype) // self.local_size, 1)
@@ -639,12 +650,14 @@ class NodeCollectives:
         for start in range(0, max(block, 1), step):
             width, at = min(step, block - start), next(slots)
             row = width * itemsize
-            for rank in order:  # row `rank` of the staged columns: [block 0 part | block 1 part | ...]
+            for rank in order if not zero_copy else ():  # row `rank` of the staged columns: [block 0 part | ...]
                 fusion.pack_range(source, stage + at + rank * row, (rank * block + start) * itemsize, row)
             self._sync("reduce_scatter: inputs")
-            fusion.pack_range(source, result.data_ptr() + start * itemsize, (me * block + start) * itemsize, row)
-            sources = tuple(self._block_address(rank, dtype, block, width, start, at) for rank in order)
-            fusion.reduce_range(target, dtype, start * itemsize, row, 0, sources, 1)
+            if start == 0:
+                self._check_counts("reduce_scatter")
+            own = flat.data_ptr() + (me * block + start) * itemsize  # (read where it is, in one pass with the rest)
+            sources = (own, *(self._block_address(rank, dtype, block, width, start, at) for rank in order))
+            fusion.reduce_range(target, dtype, start * itemsize, row, 0, sources, 1, assign=True)
             self._sync("reduce_scatter: inputs read")
 
     def _block_address(self, rank: int, dtype: torch.dtype, block: int, width: int, start: int, at: int) -> int:
