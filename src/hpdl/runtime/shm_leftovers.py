@@ -6,7 +6,7 @@ job, held until the machine reboots, in a /dev/shm that is 64 MB in a default co
 some 23 MB per run. `hpdl launch` removes its own jobs' files by name under MPICH's forking launcher
 (spawn.remove_forker_segments); other launchers name a job's files after nothing the caller knows, so here a
 file is a leftover when nothing can still use it:
-- its name is one of MPICH's segment names, and this user owns it;
+- its name is one of MPICH's or Open MPI's segment names (`PATTERNS`), and this user owns it;
 - no process maps it or holds it open (a running job's ranks map their segment until they finalise);
 - it was last changed `settle` seconds before the look at /proc began: its creator, if it still runs, was
   there to be seen, holding the file open or mapped (it maps the file as soon as it has created it).
@@ -25,8 +25,10 @@ from typing import Optional, Sequence
 __all__ = ["PATTERNS", "SETTLE_SECONDS", "held", "in_use", "leftovers", "remove"]
 
 SHM_DIR = "/dev/shm"
-PATTERNS = ("mpich_shm_*", "mpich_vci_*")
-"""MPICH's node segments (the files it creates; its windows' files are unlinked once mapped)."""
+PATTERNS = ("mpich_shm_*", "mpich_vci_*", "vader_segment.*", "sm_segment.*")
+"""MPICH's node segments (the files it creates; its windows' files are unlinked once mapped), and Open MPI's
+per-rank segments of its shared-memory transport (`vader_segment.<host>.<uid>.<job>.<rank>` in 4.x,
+`sm_segment.<host>...` in 5.x; 4 MB each, unlinked at finalize, kept by a killed job like MPICH's)."""
 SETTLE_SECONDS = 2.0
 
 
