@@ -291,8 +291,10 @@ def test_the_segment_files_a_killed_job_leaves_in_dev_shm_are_found_and_a_runnin
     stay (MPICH 2-3 MB a job, Open MPI 4 MB a rank, until reboot; the suite left some 23 MB per run).
     `shm_leftovers` finds such files by nothing using them."""
     from hpdl.runtime import shm_leftovers
-    from hpdl.runtime.spawn import mpiexec_argv
+    from hpdl.runtime.spawn import local_mpiexec, mpiexec_argv
 
+    if local_mpiexec()[1] not in ("gforker", "hydra"):  # (the next test covers Open MPI's names)
+        pytest.skip("Open MPI's launcher removes a killed rank's segments itself: it leaves them only when it dies too")
     script, release = tmp_path / "segments.py", tmp_path / "release"
     script.write_text(SEGMENTS_JOB)
     started, deadline = time.time(), time.monotonic() + 60
@@ -318,6 +320,24 @@ def test_the_segment_files_a_killed_job_leaves_in_dev_shm_are_found_and_a_runnin
         release.touch()
         assert running.wait(timeout=60) == 0
     assert not any(os.path.exists(path) for path in live)  # finalised: the MPI library removed its own
+
+
+def test_open_mpi_segments_nothing_holds_are_leftovers_and_held_ones_are_not(tmp_path):
+    """Open MPI (4.x vader, 5.x sm) keeps one segment file per rank; a job whose launcher died with it leaves them
+    (340 of them, 4-16 MB each, piled up in this VM's /dev/shm over a week of Open MPI runs). Found by name and by
+    nothing mapping or holding them, as MPICH's; a file held open, or a name of neither library, is not one."""
+    from hpdl.runtime import shm_leftovers
+
+    uid = os.getuid()
+    names = [f"vader_segment.host.{uid}.1a2b0001.0", f"sm_segment.host.{uid}.3c4d0001.1", f"sm_segment.host.{uid}.x.2"]
+    names.append("not_an_mpi_file.0")
+    old = time.time() - 60
+    for name in names:
+        (tmp_path / name).write_bytes(b"\0" * 64)
+        os.utime(tmp_path / name, (old, old))
+    with open(tmp_path / names[2], "rb"):  # held open (a live rank maps or holds its segment)
+        found = shm_leftovers.leftovers(root=str(tmp_path), settle=1)
+    assert found == sorted(str(tmp_path / name) for name in names[:2]), found
 
 
 def test_ranks_put_large_torch_tensors_on_huge_pages_unless_the_caller_chose():
