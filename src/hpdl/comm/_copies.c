@@ -121,9 +121,9 @@ enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
    holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined; with
    `assign` true the tensors' own values are not an operand: they receive the sum of the sources alone),
    divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
-   ranks copy it from, or on two ranks with shared buffers the other rank's own tensor; 0: nowhere else). The shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py):
-   each rank reduces its slice where it lies in its own tensors, with no flat buffer and no torch call per
-   piece. */
+   ranks copy it from, or on two ranks with shared buffers the other rank's own tensor; 0: nowhere else). The
+   shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py): each rank reduces its slice where it lies in
+   its own tensors, with no flat buffer and no torch call per piece. */
 static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
     if (nargs != 7 && nargs != 8) {

@@ -639,8 +639,8 @@ class NodeCollectives:
     def _reduce_scatter_in_place(self, flat: torch.Tensor, result: torch.Tensor, zero_copy: bool = False) -> None:
         """`reduce_scatter` of a float sum with the compiled loop: a rank stages the columns of the others' blocks
         (as the general route lays them out; nothing where its input is in a shared buffer, `zero_copy`, read
-        where it lies), copies its own into `result` and adds the others' copies of its block there, in the
-        general route's order (the same bits), with no torch call per piece."""
+        where it lies) and writes into `result` the sum of its own copy of its block and the others', in one
+        pass, in the general route's order (the same bits), with no torch call per piece."""
         dtype, itemsize, block = flat.dtype, flat.element_size(), result.numel()
         source, target = fusion.table_of([flat]), fusion.table_of([result])
         me, step = self.local_rank, max(self._chunk(dtype) // self.local_size, 1)

@@ -28,7 +28,8 @@ SHM_DIR = "/dev/shm"
 PATTERNS = ("mpich_shm_*", "mpich_vci_*", "vader_segment.*", "sm_segment.*")
 """MPICH's node segments (the files it creates; its windows' files are unlinked once mapped), and Open MPI's
 per-rank segments of its shared-memory transport (`vader_segment.<host>.<uid>.<job>.<rank>` in 4.x,
-`sm_segment.<host>...` in 5.x; 4 MB each, unlinked at finalize, kept by a killed job like MPICH's)."""
+`sm_segment.<host>...` in 5.x; 4-16 MB each, unlinked at finalize; its launcher removes a killed rank's, but they
+stay when the launcher dies with the job)."""
 SETTLE_SECONDS = 2.0
 
 
