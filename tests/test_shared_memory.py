@@ -183,8 +183,8 @@ def float_sums_both_routes(comm):
                     comm.allreduce(plain, op)
                     bucket = [torch.randn(n, generator=generator, dtype=dtype) for n in (3, 20_000, 1, 17_000)]
                     comm.allreduce_coalesced(bucket, op)
-                    # in shared buffers on every rank (two ranks: each writes its sums into the other's), and on
-                    # even ranks only (the others staged)
+                    # in shared buffers on every rank (each writes its sums into the others'), and on even ranks
+                    # only (the others staged)
                     shared = comm.shared_buffer(100_003, dtype)
                     shared.copy_(torch.randn(100_003, generator=generator, dtype=dtype))
                     comm.allreduce(shared, op)
@@ -451,8 +451,8 @@ def default_thresholds(comm):
 def test_default_thresholds_agree_on_one_path(ranks):
     total = 3.0
     for shared_phases, plain_phases, shared, plain, mixed, pieces in ranks("mpi", 2).run(default_thresholds):
-        # agreement + two meetings a piece: both ranks' tensors in shared buffers, each rank writes its slice's
-        # sums into the other's too (three where a rank's results must be copied: staged, or more ranks)
+        # agreement + two meetings a piece: every rank's tensor in a shared buffer, each rank writes its slice's
+        # sums into the others' too (three where a rank's results must be copied from a staged rank's segment)
         assert shared_phases == 1 + 2 * pieces
         assert plain_phases == 1  # agreement only: the ordinary tensor went through MPI
         assert shared == total and plain == total and mixed == total

@@ -87,8 +87,9 @@ static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
    `out` reads the block from cache (a copy of the whole range afterwards reads it from memory again). */
 #define REDUCE_BLOCK_BYTES 8192
 #define REDUCE_SUM(T)                                                                                            \
-    static void reduce_sum_##T(T *tensor, T *out, char *const *sources, Py_ssize_t nsources, long long offset,  \
-                               long long count, long long divisor, int assign) {                                \
+    static void reduce_sum_##T(T *tensor, char *const *outs, Py_ssize_t nouts, char *const *sources,            \
+                               Py_ssize_t nsources, long long offset, long long count, long long divisor,       \
+                               int assign) {                                                                    \
         const long long block = REDUCE_BLOCK_BYTES / (long long)sizeof(T);                                      \
         for (long long first = 0; first < count; first += block) {                                              \
             long long n = count - first < block ? count - first : block;                                        \
@@ -108,7 +109,8 @@ static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }                                                                                                   \
             if (divisor != 1)                                                                                   \
                 for (long long i = 0; i < n; i++) part[i] /= (T)divisor;                                       \
-            if (out != NULL) memcpy(out + offset / (long long)sizeof(T) + first, part, (size_t)n * sizeof(T));  \
+            for (Py_ssize_t j = 0; j < nouts; j++)                                                              \
+                memcpy((T *)(outs[j] + offset) + first, part, (size_t)n * sizeof(T));                          \
         }                                                                                                       \
     }
 REDUCE_SUM(float)
@@ -121,7 +123,8 @@ enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
    holding `length` bytes: the other ranks' staged copies of this range, in the order they are combined; with
    `assign` true the tensors' own values are not an operand: they receive the sum of the sources alone),
    divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
-   ranks copy it from, or on two ranks with shared buffers the other rank's own tensor; 0: nowhere else). The
+   ranks copy it from; 0: nowhere else), or to each address of a tuple (with shared buffers on every rank: the
+   other ranks' own tensors). The
    shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py): each rank reduces its slice where it lies in
    its own tensors, with no flat buffer and no torch call per piece. */
 static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -134,7 +137,17 @@ static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int assign = nargs == 8 ? PyObject_IsTrue(args[7]) : 0;
     if (assign < 0) return NULL;
     long long start = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
-    char *out = PyLong_AsVoidPtr(args[3]); /* NULL for 0 */
+    char *outs[64];
+    Py_ssize_t nouts = PyTuple_Check(args[3]) ? PyTuple_GET_SIZE(args[3]) : 1;
+    if (nouts > 64) {
+        PyErr_SetString(PyExc_ValueError, "hpdl._copies.reduce: at most 64 outputs");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < nouts; j++) {
+        outs[j] = PyLong_AsVoidPtr(PyTuple_Check(args[3]) ? PyTuple_GET_ITEM(args[3], j) : args[3]);
+        if (outs[j] == NULL && PyErr_Occurred()) return NULL;
+    }
+    if (nouts == 1 && outs[0] == NULL) nouts = 0; /* 0: the result stays in the tensors only */
     long kind = PyLong_AsLong(args[5]);
     long long divisor = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred()) return NULL;
@@ -176,9 +189,9 @@ static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             long long take = nbytes - skip < length - done ? nbytes - skip : length - done;
             char *tensor = (char *)(intptr_t)pairs[2 * i] + skip;
             if (kind == KIND_FLOAT32_SUM)
-                reduce_sum_float((float *)tensor, (float *)out, sources, nsources, done, take / 4, divisor, assign);
+                reduce_sum_float((float *)tensor, outs, nouts, sources, nsources, done, take / 4, divisor, assign);
             else
-                reduce_sum_double((double *)tensor, (double *)out, sources, nsources, done, take / 8, divisor, assign);
+                reduce_sum_double((double *)tensor, outs, nouts, sources, nsources, done, take / 8, divisor, assign);
             done += take;
         }
         at += nbytes;

@@ -20,7 +20,7 @@ import operator
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -124,14 +124,15 @@ def reduce_range(
     dtype: torch.dtype,
     start: int,
     length: int,
-    out: int,
+    out: Union[int, tuple[int, ...]],
     sources: tuple[int, ...],
     divisor: int,
     assign: bool = False,
 ) -> None:
     """Bytes [start, start + length) of the table's tensors summed in place with `length` bytes at each of
-    `sources` (in that order), divided by `divisor` (1: a sum), and also written to address `out` (0: not);
-    with `assign` the tensors receive the sum of the sources alone (their own values are not an operand)."""
+    `sources` (in that order), divided by `divisor` (1: a sum), and also written to address `out` (0: not) or to
+    each address of a tuple; with `assign` the tensors receive the sum of the sources alone (their own values are
+    not an operand)."""
     _copies.reduce(table, start, length, out, sources, _REDUCE_KINDS[dtype], divisor, assign)
 
 

@@ -84,8 +84,8 @@ _MB = 1024 * 1024
 # from 4 MiB in two later runs. Allreduce of ordinary tensors moved from 8 MiB
 # to 32 MiB then: with pieces round the segment it was 1.06-1.23x MPI at 8-16
 # MiB and 0.51-0.61x from 32 MiB (one call between barriers, four runs).
-# Allreduce on shared buffers moved from 2 MiB to 1 MiB (2026-12-05) once two
-# ranks each wrote their slice's sums into the other's buffer in the same pass
+# Allreduce on shared buffers moved from 2 MiB to 1 MiB (2026-12-05) once the
+# ranks each wrote their slice's sums into the others' buffers in the same pass
 # (no copy out, two meetings a piece) and the compiled sum went block by block
 # (`hpdl bench comm`, that route forced from 256 KiB, two runs: 1.34-1.46x
 # mpi4py's time at 256 KiB, 0.98-1.03x at 512 KiB, 0.64-0.68x at 1 MiB,
@@ -547,16 +547,16 @@ class NodeCollectives:
         ones in `_reduce_my_slice`'s order, writes the result back and into its segment) and copies the others'
         results from theirs. Staging everything, reducing in the segment and copying every slice back moves half
         as much again. A rank whose tensor is in a shared buffer (`zero_copy`) stages nothing and leaves its
-        result where it lies; where both ranks of two have theirs in shared buffers, each writes its slice's
-        result into the other's buffer too (in the same pass), so nobody copies anything afterwards and a piece
-        takes two meetings instead of three."""
+        result where it lies; where every rank's tensor is in a shared buffer, each writes its slice's result
+        into the others' buffers too (in the same pass), so nobody copies anything afterwards and a piece takes
+        two meetings instead of three."""
         itemsize = dtype.itemsize
         step = self._chunk(dtype)
         slots = self._slots(step * itemsize)
         me, ranks = self.local_rank, range(self.local_size)
         stage = self._stage[me].data_ptr()
         order = self._others
-        direct: Optional[bool] = None  # both of two ranks in shared buffers (known after the first meeting)
+        direct: Optional[bool] = None  # every rank's tensor in a shared buffer (known after the first meeting)
         for start in range(0, max(count, 1), step):  # (nothing: one empty piece, as the general route's)
             n, at = min(step, count - start), next(slots)
             bounds = [_bounds(n, self.local_size, rank) for rank in ranks]
@@ -567,11 +567,11 @@ class NodeCollectives:
             self._sync("allreduce: inputs")
             if direct is None:
                 self._check_counts("allreduce")
-                direct = self.local_size == 2 and all(words[1] >= 0 for words in self._words)
+                direct = all(words[1] >= 0 for words in self._words)
             bases = {rank: self._piece_address(rank, dtype, start, at) for rank in order}
             a, b = bounds[me]
             sources = tuple(bases[rank] + a * itemsize for rank in order)
-            out = sources[0] if direct else 0 if zero_copy else stage + at + a * itemsize
+            out = sources if direct else 0 if zero_copy else stage + at + a * itemsize
             fusion.reduce_range(table, dtype, (start + a) * itemsize, (b - a) * itemsize, out, sources, divisor)
             self._sync("allreduce: reduced slices")
             if direct:
