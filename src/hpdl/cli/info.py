@@ -137,7 +137,7 @@ def _leftovers() -> str:
 
 def _thresholds(mpi: str) -> dict[str, str]:
     """The shared-memory thresholds (shared buffer / ordinary tensor) per ranks per node, and their source."""
-    from hpdl.comm import tuning
+    from hpdl.comm import shm, tuning
     from hpdl.errors import TuneFileError
 
     where = tuning.path()
@@ -150,7 +150,11 @@ def _thresholds(mpi: str) -> dict[str, str]:
         chosen, source = tuning.thresholds_for(found, local, mpi)
         sizes = ", ".join(f"{op} {_size(a)}/{_size(b)}" for op, (a, b) in chosen.items())
         label = f"shm thresholds, {local} ranks per node" if local else "shm thresholds"
-        hint = "; two ranks send reduce_scatter and allgather as messages instead; measure this machine: `hpdl tune`"
+        shared = _size(shm.TWO_RANKS_SHARED["reduce_scatter"])
+        hint = (
+            "; two ranks send reduce_scatter and allgather as messages instead, but a reduce_scatter of shared "
+            f"buffers from {shared}; measure this machine: `hpdl tune`"
+        )
         out[label] = f"{sizes} ({source}{'' if found else hint})"
     return out
 

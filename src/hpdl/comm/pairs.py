@@ -104,8 +104,8 @@ def describe(limits: dict[str, int]) -> str:
             f"{op} {'every size' if below >= ANY_SIZE else f'below {below} B' if below else 'never'}"
             for op, below in limits.items()
         )
-        + " (each way; at every size the shared-memory engine takes none, unless measured or set; under a limit its"
-        " thresholds come first)"
+        + " (each way; at every size the shared-memory engine takes none of an ordinary tensor's, unless measured or"
+        " set; under a limit its thresholds come first)"
     )
 
 
