@@ -146,6 +146,10 @@ static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t j = 0; j < nouts; j++) {
         outs[j] = PyLong_AsVoidPtr(PyTuple_Check(args[3]) ? PyTuple_GET_ITEM(args[3], j) : args[3]);
         if (outs[j] == NULL && PyErr_Occurred()) return NULL;
+        if (outs[j] == NULL && PyTuple_Check(args[3])) {
+            PyErr_SetString(PyExc_ValueError, "hpdl._copies.reduce: an output address of 0 in the tuple");
+            return NULL;
+        }
     }
     if (nouts == 1 && outs[0] == NULL) nouts = 0; /* 0: the result stays in the tensors only */
     long kind = PyLong_AsLong(args[5]);
