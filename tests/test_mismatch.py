@@ -226,9 +226,9 @@ def test_barrier_checks_and_the_ranks_keep_working(ranks):
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["shared buffers", "one ordinary tensor"])
 def test_sizes_that_differ_on_the_shared_memory_engine_are_an_error_before_anything_is_written(ranks, mixed):
-    """The engine's float sum reads the other ranks' tensors where they lie and, on two ranks with shared buffers,
-    writes into them: ranks whose tensors differ in length raise at the call, on every rank, with nothing
-    changed (not a write past the shorter tensor into the memory after it), and go on."""
+    """The engine's float sum reads the other ranks' tensors where they lie and, where every rank's tensor is in a
+    shared buffer, writes into them: ranks whose tensors differ in length raise at the call, on every rank, with
+    nothing changed (not a write past the shorter tensor into the memory after it), and go on."""
     pool = ranks("mpi", 2, SHM_FORCED)
     for at_once, kept, check in pool.run(shared_memory_sizes_differ, mixed):
         assert "allreduce (shared memory)" in at_once and "rank 0: 20000, rank 1: 20001 elements" in at_once, at_once
