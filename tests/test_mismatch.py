@@ -98,16 +98,21 @@ def barrier_after_mismatch(comm):
     return "no error"
 
 
-def shared_memory_sizes_differ(comm, mixed):
-    """Two ranks on the shared-memory engine, tensors of 20,000 and 20,001 floats: views of shared buffers (each
+def shared_memory_sizes_differ(comm, mixed, op="allreduce"):
+    """Two ranks on the shared-memory engine, tensors of 20,000 and 20,002 floats: views of shared buffers (each
     rank writes its sums into the other's buffer too), or with `mixed` an ordinary tensor on the last rank.
     (the error at the call, whether the tensors and the rest of the buffers kept their values, the check's error)"""
     last = comm.rank == comm.size - 1
     window = comm.shared_buffer(20_100)
     window.fill_(7.0)
-    t = torch.full((20_001,), 7.0) if mixed and last else window[: 20_000 + last]
+    t = torch.full((20_002,), 7.0) if mixed and last else window[: 20_000 + 2 * last]
     try:
-        comm.allreduce(t)
+        if op == "allreduce":
+            comm.allreduce(t)
+        elif op == "reduce_scatter":
+            comm.reduce_scatter(t)
+        else:
+            comm.broadcast(t, root=0)
         at_once = ""
     except CollectiveMismatchError as exc:
         at_once = str(exc)
@@ -225,15 +230,18 @@ def test_barrier_checks_and_the_ranks_keep_working(ranks):
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["shared buffers", "one ordinary tensor"])
-def test_sizes_that_differ_on_the_shared_memory_engine_are_an_error_before_anything_is_written(ranks, mixed):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "HPDL_COMPILED=0"])
+def test_sizes_that_differ_on_the_shared_memory_engine_are_an_error_before_anything_is_written(ranks, mixed, compiled):
     """The engine's float sum reads the other ranks' tensors where they lie and, where every rank's tensor is in a
     shared buffer, writes into them: ranks whose tensors differ in length raise at the call, on every rank, with
-    nothing changed (not a write past the shorter tensor into the memory after it), and go on."""
-    pool = ranks("mpi", 2, SHM_FORCED)
-    for at_once, kept, check in pool.run(shared_memory_sizes_differ, mixed):
-        assert "allreduce (shared memory)" in at_once and "rank 0: 20000, rank 1: 20001 elements" in at_once, at_once
-        assert "no tensor was changed" in at_once and kept
-        assert "on 80000 B" in check and "on 80004 B" in check, check
+    nothing changed (not a write past the shorter tensor into the memory after it), and go on. The same for a
+    reduce_scatter and a broadcast, and on the engine's general route (no compiled module)."""
+    pool = ranks("mpi", 2, SHM_FORCED if compiled else dict(SHM_FORCED, HPDL_COMPILED="0"))
+    for op in ("allreduce", "reduce_scatter", "broadcast") if not mixed else ("allreduce",):
+        for at_once, kept, check in pool.run(shared_memory_sizes_differ, mixed, op):
+            assert f"{op} (shared memory)" in at_once and "rank 0: 20000, rank 1: 20002 elements" in at_once, at_once
+            assert "no tensor was changed" in at_once and kept
+            assert "80000 B" in check and "80008 B" in check, check
     assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
 
 

@@ -474,6 +474,8 @@ class NodeCollectives:
             piece, at = flat[start : start + step], next(slots)
             self._stage_in(zero_copy, piece, at)
             self._sync("allreduce: inputs")
+            if start == 0:
+                self._check_counts("allreduce")
             sources = self._sources(t.dtype, start, piece.numel(), at)
             self._reduce_my_slice(sources, piece.numel(), op, across, divisor)
             self._sync("allreduce: reduced slices")
@@ -529,6 +531,8 @@ class NodeCollectives:
             n, at = min(step, count - start), next(slots)
             bucket.pack_range(stage + at, start * itemsize, n * itemsize)
             self._sync("allreduce_coalesced: inputs")
+            if start == 0:
+                self._check_counts("allreduce_coalesced")
             sources = self._sources(dtype, start, n, at)
             self._reduce_my_slice(sources, n, op, across, divisor)
             self._sync("allreduce_coalesced: reduced slices")
@@ -620,6 +624,8 @@ class NodeCollectives:
                 columns[:me].copy_(wanted[:me])
                 columns[me + 1 :].copy_(wanted[me + 1 :])  # (this rank's own block is read where it is)
             self._sync("reduce_scatter: inputs")
+            if start == 0:
+                self._check_counts("reduce_scatter")
             target = result[start : start + width]
             parts = [
                 blocks[me, start : start + width]
@@ -721,6 +727,8 @@ class NodeCollectives:
             if self.local_rank == root:
                 self._stage_in(zero_copy, piece, at)
             self._sync("broadcast: input")
+            if start == 0:
+                self._check_counts("broadcast")
             if self.local_rank != root:
                 piece.copy_(self._sources(t.dtype, start, piece.numel(), at)[root])
             self._sync("broadcast: input read")
