@@ -473,9 +473,7 @@ class NodeCollectives:
         for start in range(0, max(flat.numel(), 1), step):
             piece, at = flat[start : start + step], next(slots)
             self._stage_in(zero_copy, piece, at)
-            self._sync("allreduce: inputs")
-            if start == 0:
-                self._check_counts("allreduce")
+            self._inputs_met("allreduce", start == 0)
             sources = self._sources(t.dtype, start, piece.numel(), at)
             self._reduce_my_slice(sources, piece.numel(), op, across, divisor)
             self._sync("allreduce: reduced slices")
@@ -530,9 +528,7 @@ class NodeCollectives:
         for start in range(0, count, step):
             n, at = min(step, count - start), next(slots)
             bucket.pack_range(stage + at, start * itemsize, n * itemsize)
-            self._sync("allreduce_coalesced: inputs")
-            if start == 0:
-                self._check_counts("allreduce_coalesced")
+            self._inputs_met("allreduce_coalesced", start == 0)
             sources = self._sources(dtype, start, n, at)
             self._reduce_my_slice(sources, n, op, across, divisor)
             self._sync("allreduce_coalesced: reduced slices")
@@ -560,7 +556,7 @@ class NodeCollectives:
         me, ranks = self.local_rank, range(self.local_size)
         stage = self._stage[me].data_ptr()
         order = self._others
-        direct: Optional[bool] = None  # every rank's tensor in a shared buffer (known after the first meeting)
+        direct = False  # every rank's tensor in a shared buffer (known after the first meeting)
         for start in range(0, max(count, 1), step):  # (nothing: one empty piece, as the general route's)
             n, at = min(step, count - start), next(slots)
             bounds = [_bounds(n, self.local_size, rank) for rank in ranks]
@@ -568,9 +564,8 @@ class NodeCollectives:
                 for rank in order:
                     a, b = bounds[rank]
                     fusion.pack_range(table, stage + at + a * itemsize, (start + a) * itemsize, (b - a) * itemsize)
-            self._sync("allreduce: inputs")
-            if direct is None:
-                self._check_counts("allreduce")
+            self._inputs_met("allreduce", start == 0)
+            if start == 0:
                 direct = all(words[1] >= 0 for words in self._words)
             bases = {rank: self._piece_address(rank, dtype, start, at) for rank in order}
             a, b = bounds[me]
@@ -584,6 +579,12 @@ class NodeCollectives:
                 a, b = bounds[rank]
                 fusion.unpack_range(table, bases[rank] + a * itemsize, (start + a) * itemsize, (b - a) * itemsize)
             self._sync("allreduce: results read")
+
+    def _inputs_met(self, what: str, first: bool, phase: str = "inputs") -> None:
+        """The meeting after every rank made its piece visible; at an operation's first piece, the size check."""
+        self._sync(f"{what}: {phase}")
+        if first:
+            self._check_counts(what)
 
     def _check_counts(self, what: str) -> None:
         """After an operation's first meeting, before anything is written: on every rank alike, an error when the
@@ -623,9 +624,7 @@ class NodeCollectives:
                 columns, wanted = staged.view(t.dtype).view(self.local_size, width), blocks[:, start : start + width]
                 columns[:me].copy_(wanted[:me])
                 columns[me + 1 :].copy_(wanted[me + 1 :])  # (this rank's own block is read where it is)
-            self._sync("reduce_scatter: inputs")
-            if start == 0:
-                self._check_counts("reduce_scatter")
+            self._inputs_met("reduce_scatter", start == 0)
             target = result[start : start + width]
             parts = [
                 blocks[me, start : start + width]
@@ -658,9 +657,7 @@ class NodeCollectives:
             row = width * itemsize
             for rank in order if not zero_copy else ():  # row `rank` of the staged columns: [block 0 part | ...]
                 fusion.pack_range(source, stage + at + rank * row, (rank * block + start) * itemsize, row)
-            self._sync("reduce_scatter: inputs")
-            if start == 0:
-                self._check_counts("reduce_scatter")
+            self._inputs_met("reduce_scatter", start == 0)
             own = flat.data_ptr() + (me * block + start) * itemsize  # (read where it is, in one pass with the rest)
             sources = (own, *(self._block_address(rank, dtype, block, width, start, at) for rank in order))
             fusion.reduce_range(target, dtype, start * itemsize, row, 0, sources, 1, assign=True)
@@ -726,9 +723,7 @@ class NodeCollectives:
             piece, at = flat[start : start + step], next(slots)
             if self.local_rank == root:
                 self._stage_in(zero_copy, piece, at)
-            self._sync("broadcast: input")
-            if start == 0:
-                self._check_counts("broadcast")
+            self._inputs_met("broadcast", start == 0, "input")
             if self.local_rank != root:
                 piece.copy_(self._sources(t.dtype, start, piece.numel(), at)[root])
             self._sync("broadcast: input read")
