@@ -67,6 +67,14 @@ def test_fsdp2_equals_one_process(pool, reference):
         _close(params, reference)
 
 
+def test_fsdp2_with_buffers_from_the_group_equals_one_process(pool, reference):
+    """`set_allocate_memory_from_process_group_for_comm(True)`: FSDP2's all-gather and reduce-scatter buffers
+    come from hpdl's pool, reused from the second step on, and training is unchanged."""
+    for params, made, reused in pool.run(training.fsdp2, "hpdl", False, True, timeout=120):
+        _close(params, reference)
+        assert made > 0 and reused > 0, (made, reused)
+
+
 def test_hsdp_on_a_two_dimensional_mesh_equals_one_process(ranks, reference):
     """FSDP2 over a 2 x 2 mesh (replicate x shard): DeviceMesh makes the row and column groups on "hpdl"."""
     pool = ranks("mpi", 4)

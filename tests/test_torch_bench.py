@@ -24,7 +24,8 @@ def test_quick_bench_runs_every_contender_and_ddp_on_hpdl_ends_where_gloo_does(t
     for name in (torch_backend.CEILING, torch_backend.DDP_ALONE):
         assert ddp[name]["max_param_diff_vs_ddp_gloo"] is None
     assert all(r["samples_per_s"]["median"] > 0 for r in records if r["part"] in ("ddp", "fsdp"))
-    assert {r["contender"] for r in records if r["part"] == "fsdp"} == {"fsdp2-hpdl", "fsdp2-gloo"}
+    assert {r["contender"] for r in records if r["part"] == "fsdp"} == {"fsdp2-hpdl", "fsdp2-hpdl-pooled", "fsdp2-gloo"}
     sizes = {r["bytes"] for r in records if r["part"] == "allreduce"}
     assert len(sizes) >= 3 and 4 in sizes
     assert "## Targets" in markdown and "the most any backend could reach" in markdown
+    assert "with its buffers from the group's pool" in markdown

@@ -84,8 +84,12 @@ def _mesh(g: Any) -> Any:
     return DeviceMesh.from_group(g, "cpu")
 
 
-def fsdp2(comm: Any, name: str, mixed: bool = False) -> list:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def fsdp2(comm: Any, name: str, mixed: bool = False, pooled: bool = False) -> Any:
+    """`pooled`: FSDP2 takes its communication buffers from the group (hpdl's buffer pool, every size pooled
+    here); it then returns the parameters with how many buffers the pool made and reused."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from hpdl.interop.torch_backend.buffer_pool import pool
 
     g = groups()[name]
     mesh = _mesh(g)
@@ -96,12 +100,18 @@ def fsdp2(comm: Any, name: str, mixed: bool = False) -> list:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if pooled:
+        pool.min_bytes, made, reused = 0, pool.made, pool.reused
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_allocate_memory_from_process_group_for_comm(True)
     x, y = _shard(g)
     if mixed:
         x = x.float()
         y = y.float()
     _train(model, model.parameters(), x, y)
-    return [p.full_tensor().detach().tolist() for p in model.parameters()]
+    params = [p.full_tensor().detach().tolist() for p in model.parameters()]
+    return (params, pool.made - made, pool.reused - reused) if pooled else params
 
 
 def tensor_parallel(comm: Any, name: str) -> list:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hpdl.comm.base import Communicator
 from hpdl.interop.import_hooks import when_imported
-from hpdl.interop.torch_backend import ops
+from hpdl.interop.torch_backend import buffer_pool, ops
 from hpdl.interop.torch_backend.progress import Started, progress
 from hpdl.interop.torch_backend.work import HpdlWork
 
@@ -34,7 +34,9 @@ class BackendCapabilities:
     before it picks a path. A Python group has no C++ backend registered, so torch's own `_get_backend` raised
     "No backend type associated with device type cpu", and torch 2.14's `batch_isend_irecv` (which
     torch.distributed.pipelining uses) asks it for `supports_coalescing` without catching that. hpdl's group does
-    every operation itself: none of NCCL's extras (coalescing managers, splitting, shrinking, its allocator)."""
+    every operation itself: none of NCCL's extras (coalescing managers, splitting, shrinking). Its allocator is
+    a pool of reused CPU buffers (buffer_pool.py), which FSDP2 asks for its communication buffers where the program
+    calls `set_allocate_memory_from_process_group_for_comm(True)`."""
 
     supports_coalescing = False
     supports_splitting = False
@@ -45,7 +47,12 @@ class BackendCapabilities:
         return "hpdl"
 
     def supports_tensor_alloc(self, device: Any) -> bool:
-        return False
+        return torch.device(device).type == "cpu" and buffer_pool.pool.enabled
+
+    def allocate_tensor(self, size: int, *, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        if torch.device(device).type != "cpu":
+            return torch.empty(size, dtype=dtype, device=device)
+        return buffer_pool.pool.allocate(size, dtype)
 
 
 _CAPABILITIES = BackendCapabilities()
@@ -212,6 +219,7 @@ class HpdlProcessGroup(dist.ProcessGroup):
         """Free the group's communicator (destroy_process_group calls this on every member)."""
         progress.call(self.comm.close)
         progress.forget(self.comm)
+        buffer_pool.pool.clear()  # (only the buffers waiting for reuse: those in use stay theirs)
 
     def abort(self) -> None:
         self.comm._broken = True

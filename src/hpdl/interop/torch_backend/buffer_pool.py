@@ -1,0 +1,134 @@
+"""Communication buffers that FSDP2 gets back from the group instead of allocating them afresh at every step.
+
+FSDP2 allocates each all-gather output and reduce-scatter input anew. A CPU
+buffer above glibc's mmap threshold (32 MiB at most) is then a fresh mapping
+whose pages fault in on first touch: 64 MiB filled took 16.7 ms fresh and
+2.9 ms reused here, and the faults' cost varies with the VM. A program that
+calls `set_allocate_memory_from_process_group_for_comm(True)` on its FSDP2
+modules (torch's own switch, made for NCCL's allocator) asks the group for
+these buffers (`allocate_tensor`); an hpdl group hands out one that an
+earlier, freed buffer of the same size class left here.
+
+A buffer returns when torch frees the last tensor that uses it (a finalizer
+on the numpy array under it), on whatever thread that happens: the pool
+takes a lock. The returned buffers of a class that no request has asked
+for within the last `IDLE_REQUESTS` requests are let go: FSDP2's reduce-scatter outputs
+become the gradients, which `zero_grad` frees at the start of a step, and
+kept until the backward asks again they would sit idle through the
+forward's peak. The pool keeps at most `HPDL_TORCH_POOL_MB` (default 1024)
+of returned buffers; 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hpdl.comm.env import env_number
+
+__all__ = ["BufferPool", "pool", "size_class"]
+
+MIN_POOLED_BYTES = 1 << 20
+"""Smaller buffers come from torch as usual: the allocator's heap serves them without new mappings."""
+CLASSES_PER_DOUBLING = 8
+"""Sizes are rounded up to one of this many steps per power of two (at most 12.5% more than asked; the rounded
+tail is never touched, so it takes no memory)."""
+IDLE_REQUESTS = 4
+"""A class not asked for within this many requests (of any class) loses its waiting buffers (see above)."""
+
+
+def size_class(nbytes: int) -> int:
+    """The bytes a buffer of `nbytes` is made with, so that nearby sizes reuse the same buffers."""
+    step = max(1 << max((nbytes - 1).bit_length() - CLASSES_PER_DOUBLING.bit_length(), 0), 64)
+    return -(-nbytes // step) * step
+
+
+class BufferPool:
+    """Freed communication buffers by size class, reused by the next request of that class."""
+
+    def __init__(self, limit_bytes: Optional[int] = None, min_bytes: int = MIN_POOLED_BYTES):
+        self._limit = limit_bytes
+        """None: HPDL_TORCH_POOL_MB, read at first use (a wrong value is an error there, not at import)."""
+        self.min_bytes = min_bytes
+        """Requests below this size come from torch as usual."""
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        """Size class -> returned buffers."""
+        self._requests = 0
+        self._last_used: dict[int, int] = {}
+        """Size class -> the request count when a buffer of it was last asked for or given back."""
+        self._lock = threading.Lock()
+        self.held_bytes = 0
+        """Bytes of returned buffers waiting here (resident: they were used)."""
+        self.made = 0
+        self.reused = 0
+
+    @property
+    def limit_bytes(self) -> int:
+        if self._limit is None:
+            mib = env_number("HPDL_TORCH_POOL_MB", 1024.0, float, "a number of MiB", allow_zero=True)
+            self._limit = int(mib * 2**20)
+        return self._limit
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit_bytes > 0
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of `numel` elements of `dtype` (uninitialised, like `torch.empty`)."""
+        nbytes = numel * dtype.itemsize
+        if nbytes < self.min_bytes or not self.enabled:
+            return torch.empty(numel, dtype=dtype)
+        size = size_class(nbytes)
+        with self._lock:
+            self._requests += 1
+            self._last_used[size] = self._requests
+            waiting = self._free.get(size)
+            backing = waiting.pop() if waiting else None
+            if backing is not None:
+                self.held_bytes -= size
+                self.reused += 1
+            else:
+                self.made += 1
+            idle = self._let_go_of_idle()
+        del idle  # (freed outside the lock)
+        if backing is None:
+            backing = torch.empty(size, dtype=torch.uint8)
+        whole = backing.numpy()
+        lent = np.ndarray((nbytes,), np.uint8, buffer=memoryview(whole))  # type: ignore[arg-type]
+        returned = weakref.finalize(lent, self._give_back, backing)  # when torch drops the last tensor over `lent`
+        returned.atexit = False
+        return torch.from_numpy(lent).view(dtype)
+
+    def _let_go_of_idle(self) -> list[torch.Tensor]:
+        """Take out the buffers of every class that was neither asked for nor given back within the last
+        IDLE_REQUESTS requests (called under the lock)."""
+        idle = []
+        for size, waiting in self._free.items():
+            if waiting and self._last_used[size] < self._requests - IDLE_REQUESTS:
+                idle += waiting
+                self.held_bytes -= size * len(waiting)
+                waiting.clear()
+        return idle
+
+    def _give_back(self, backing: torch.Tensor) -> None:
+        size = backing.numel()
+        with self._lock:
+            if self.held_bytes + size <= self.limit_bytes:
+                self._free[size].append(backing)
+                self._last_used[size] = self._requests
+                self.held_bytes += size
+
+    def clear(self) -> None:
+        """Let every waiting buffer go (the memory returns to the system)."""
+        with self._lock:
+            self._free.clear()
+            self.held_bytes = 0
+
+
+pool = BufferPool()
+"""One pool for the process: every hpdl group's buffers are ordinary memory, whichever group asked."""

@@ -1,0 +1,116 @@
+"""hpdl's pool of communication buffers (what an hpdl group's `allocate_tensor` hands FSDP2), in one process."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from hpdl.interop.torch_backend.buffer_pool import IDLE_REQUESTS, BufferPool, size_class
+from hpdl.interop.torch_backend.process_group import BackendCapabilities
+
+MIB = 2**20
+
+
+def test_a_freed_buffer_is_handed_out_again():
+    pool = BufferPool(64 * MIB)
+    first = pool.allocate(MIB // 4, torch.float32)
+    address = first.data_ptr()
+    del first
+    second = pool.allocate(MIB // 4, torch.float32)
+    assert second.data_ptr() == address
+    assert (pool.made, pool.reused) == (1, 1)
+
+
+def test_a_buffer_in_use_is_never_handed_out_twice():
+    pool = BufferPool(64 * MIB)
+    first = pool.allocate(MIB, torch.float32)
+    view = first[10:20]  # a view keeps the buffer in use after the tensor itself is gone
+    address = first.data_ptr()
+    del first
+    second = pool.allocate(MIB, torch.float32)
+    assert second.data_ptr() != address
+    view.fill_(1.0)
+    second.fill_(2.0)
+    assert bool((view == 1.0).all())
+    del view
+    assert pool.allocate(MIB, torch.float32).data_ptr() == address
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64])
+def test_the_tensor_has_the_asked_size_and_dtype_and_holds_values(dtype):
+    pool = BufferPool(64 * MIB)
+    numel = 3 * MIB // dtype.itemsize + 5
+    t = pool.allocate(numel, dtype)
+    assert (t.shape, t.dtype, t.device.type) == ((numel,), dtype, "cpu")
+    assert t.is_contiguous()
+    values = torch.arange(numel, dtype=torch.float64).remainder(97).to(dtype)
+    t.copy_(values)
+    assert torch.equal(t, values)
+
+
+def test_nearby_sizes_share_a_class_and_the_class_is_at_most_an_eighth_larger():
+    for nbytes in (MIB, 3 * MIB + 1, 12_845_056, 64 * MIB, 64 * MIB + 16_384, 1_000_000_007):
+        assert nbytes <= size_class(nbytes) <= nbytes * 1.125
+    assert size_class(64 * MIB + 16_384) == size_class(64 * MIB + 8_192)
+    pool = BufferPool(256 * MIB)
+    t = pool.allocate(16 * MIB + 4096, torch.float32)
+    address = t.data_ptr()
+    del t
+    assert pool.allocate(16 * MIB + 1024, torch.float32).data_ptr() == address
+
+
+def test_small_requests_and_a_pool_of_zero_bytes_leave_the_memory_to_torch():
+    pool = BufferPool(64 * MIB)
+    pool.allocate(1000, torch.float32)
+    off = BufferPool(0)
+    off.allocate(4 * MIB, torch.float32)
+    assert (pool.made, pool.reused, off.made, off.reused) == (0, 0, 0, 0)
+    assert not off.enabled
+
+
+def test_the_pool_keeps_no_more_than_its_limit():
+    pool = BufferPool(5 * MIB)
+    held = [pool.allocate(MIB, torch.float32) for _ in range(3)]  # 4 MiB each
+    del held
+    gc.collect()
+    assert pool.held_bytes == 4 * MIB  # the second and third did not fit under 5 MiB
+
+
+def test_a_buffer_nobody_asks_for_again_is_let_go():
+    pool = BufferPool(256 * MIB)
+    idle = pool.allocate(8 * MIB, torch.float32)
+    del idle
+    assert pool.held_bytes == size_class(32 * MIB)
+    for _ in range(IDLE_REQUESTS + 1):
+        pool.allocate(MIB, torch.float32)  # other classes: the idle one waits...
+    assert pool.held_bytes == size_class(4 * MIB)  # ...until it is let go (only the last 4 MiB one waits)
+
+
+def test_buffers_freed_on_other_threads_come_back_safely():
+    pool = BufferPool(1024 * MIB)
+    tensors = [pool.allocate(MIB // 2, torch.float32) for _ in range(8)]
+
+    def drop(mine: list) -> None:
+        mine.clear()
+
+    threads = [threading.Thread(target=drop, args=(tensors[i::4],)) for i in range(4)]
+    del tensors
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    gc.collect()
+    assert pool.held_bytes == 8 * 2 * MIB
+    again = [pool.allocate(MIB // 2, torch.float32) for _ in range(8)]
+    assert len({t.data_ptr() for t in again}) == 8 and (pool.made, pool.reused) == (8, 8)
+
+
+def test_an_hpdl_group_offers_its_pool_for_cpu_tensors_only():
+    capabilities = BackendCapabilities()
+    assert capabilities.supports_tensor_alloc(torch.device("cpu"))
+    assert not capabilities.supports_tensor_alloc(torch.device("meta"))
+    t = capabilities.allocate_tensor(MIB, dtype=torch.float32, device=torch.device("cpu"))
+    assert t.shape == (MIB,)
