@@ -353,8 +353,12 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
         headers = ["size", "dist.all_reduce on hpdl (µs)", "direct Communicator (µs)", "gloo (µs)", "hpdl / direct",
                    "hpdl / gloo"]  # fmt: skip
         blocks.append(report.markdown_table(headers, rows))
+    thp = config.get("transparent_hugepage") or {}
     header = (
-        f"{config['world_ranks']} ranks, {options.rounds} rounds, contenders alternating in a new order each round."
+        f"{config['world_ranks']} ranks, {options.rounds} rounds, contenders alternating in a new order each round. "
+        f"THP_MEM_ALLOC_ENABLE={config.get('thp_mem_alloc_enable')} (torch's large CPU tensors on huge pages; "
+        f"kernel: enabled {thp.get('enabled')}, defrag {thp.get('defrag')}): it moves FSDP2's rates, gloo's most "
+        "(docs/torch_backend.md)."
     )
     notes = ["samples/s = global batch x steps / sample time (slowest rank); latency = median [min-max] over rounds.",
              "ddp-hpdl and ddp-gloo run the same unmodified DDP code; only the process group differs.",

@@ -11,7 +11,7 @@ import datetime
 import os
 import platform
 import socket
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -33,6 +33,10 @@ def describe(**extra: Any) -> dict[str, Any]:
         "numpy_version": np.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),  # torch's large tensors on huge pages
+        "transparent_hugepage": {
+            name: _kernel_setting(f"/sys/kernel/mm/transparent_hugepage/{name}") for name in ("enabled", "defrag")
+        },  # fmt: skip
     }
     try:
         import mpi4py
@@ -53,6 +57,17 @@ def describe(**extra: Any) -> dict[str, Any]:
         env["hpdl_version"] = None
     env.update(extra)
     return env
+
+
+def _kernel_setting(path: str) -> Optional[str]:
+    """The selected value of a kernel setting such as "always [madvise] never", or None where there is none."""
+    try:
+        with open(path) as setting:
+            text = setting.read()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else text.strip()
 
 
 def _cpu_model() -> str:
