@@ -79,14 +79,38 @@ def test_the_pool_keeps_no_more_than_its_limit():
     assert pool.held_bytes == 4 * MIB  # the second and third did not fit under 5 MiB
 
 
-def test_a_buffer_nobody_asks_for_again_is_let_go():
+def test_a_smaller_request_takes_a_waiting_larger_buffer_and_gives_it_back_to_its_class():
     pool = BufferPool(256 * MIB)
-    idle = pool.allocate(8 * MIB, torch.float32)
-    del idle
-    assert pool.held_bytes == size_class(32 * MIB)
+    large = pool.allocate(16 * MIB, torch.float32)  # a 64 MiB class
+    address = large.data_ptr()
+    del large
+    small = pool.allocate(MIB, torch.float32)  # 4 MiB: no buffer of its class waits
+    assert small.data_ptr() == address and (pool.made, pool.reused, pool.held_bytes) == (1, 1, 0)
+    del small
+    assert pool.held_bytes == 64 * MIB
+    assert pool.allocate(16 * MIB, torch.float32).data_ptr() == address
+
+
+def test_a_request_that_makes_a_new_buffer_lets_the_smaller_waiting_ones_go():
+    pool = BufferPool(256 * MIB)
+    small = pool.allocate(MIB, torch.float32)
+    del small
+    assert pool.held_bytes == 4 * MIB
+    large = pool.allocate(16 * MIB, torch.float32)  # cannot use the 4 MiB one: made, and the small one let go
+    assert (pool.made, pool.held_bytes) == (2, 0)
+    del large
+    assert pool.held_bytes == 64 * MIB
+
+
+def test_a_class_nobody_asks_for_again_is_let_go():
+    pool = BufferPool(256 * MIB)
+    large, idle = pool.allocate(16 * MIB, torch.float32), pool.allocate(8 * MIB, torch.float32)
+    del large, idle
+    assert pool.held_bytes == 96 * MIB
     for _ in range(IDLE_REQUESTS + 1):
-        pool.allocate(MIB, torch.float32)  # other classes: the idle one waits...
-    assert pool.held_bytes == size_class(4 * MIB)  # ...until it is let go (only the last 4 MiB one waits)
+        pool.allocate(16 * MIB, torch.float32)  # served by the waiting 64 MiB buffer, given back at once...
+    assert pool.held_bytes == 64 * MIB  # ...while the 32 MiB class, not asked for, was let go
+    assert pool.made == 2
 
 
 def test_buffers_freed_on_other_threads_come_back_safely():

@@ -28,4 +28,4 @@ def test_quick_bench_runs_every_contender_and_ddp_on_hpdl_ends_where_gloo_does(t
     sizes = {r["bytes"] for r in records if r["part"] == "allreduce"}
     assert len(sizes) >= 3 and 4 in sizes
     assert "## Targets" in markdown and "the most any backend could reach" in markdown
-    assert "with its buffers from the group's pool" in markdown
+    assert "FSDP2 on hpdl with its buffers from the group's pool" in markdown

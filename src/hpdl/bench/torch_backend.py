@@ -315,25 +315,18 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
                                    f"{med[DDP_ALONE] / med['hpdl DataParallel']:.2f}x hpdl DataParallel: the most "
                                    "DDP on any backend could reach in this run")  # fmt: skip
             else:
-                ratio = med["fsdp2-hpdl"] / med["fsdp2-gloo"]
-                targets.append(
-                    f"{report.verdict(ratio >= 2.0)} {model}: FSDP2 on hpdl {ratio:.2f}x gloo (target >= 2x)"
-                )
-                ours, theirs = (mine[k].get("step_peak_rss_bytes") for k in ("fsdp2-hpdl", "fsdp2-gloo"))
-                if ours is not None and theirs is not None:
-                    targets.append(f"{report.verdict(ours <= 1.05 * theirs)} {model}: FSDP2 step's peak RSS on hpdl "
-                                   f"{ours / 2**20:.0f} MiB, on gloo {theirs / 2**20:.0f} MiB (target: no higher, "
-                                   "5% allowed)")  # fmt: skip
-                if POOLED in med:
-                    pooled = mine[POOLED].get("step_peak_rss_bytes")
-                    memory = (
-                        ""
-                        if pooled is None or theirs is None
-                        else (f", step's peak RSS {pooled / 2**20:.0f} MiB against gloo's {theirs / 2**20:.0f} MiB")
-                    )
-                    targets.append(f"INFO {model}: FSDP2 on hpdl with its buffers from the group's pool "
-                                   f"{med[POOLED] / med['fsdp2-gloo']:.2f}x gloo{memory} (the program's choice: "
-                                   "set_allocate_memory_from_process_group_for_comm)")  # fmt: skip
+                theirs = mine["fsdp2-gloo"].get("step_peak_rss_bytes")
+                for name, how in (("fsdp2-hpdl", ""), (POOLED, " with its buffers from the group's pool")):
+                    if name not in med:
+                        continue
+                    ratio = med[name] / med["fsdp2-gloo"]
+                    targets.append(f"{report.verdict(ratio >= 2.0)} {model}: FSDP2 on hpdl{how} {ratio:.2f}x gloo "
+                                   "(target >= 2x)")  # fmt: skip
+                    ours = mine[name].get("step_peak_rss_bytes")
+                    if ours is not None and theirs is not None:
+                        targets.append(f"{report.verdict(ours <= 1.05 * theirs)} {model}: FSDP2 step's peak RSS on "
+                                       f"hpdl{how} {ours / 2**20:.0f} MiB, on gloo {theirs / 2**20:.0f} MiB (target: "
+                                       "no higher, 5% allowed)")  # fmt: skip
         headers = ["part", "model", "contender", "samples/s median [min-max]", "vs gloo", "max |param diff| vs gloo",
                    "step's peak RSS increase (MiB)"]  # fmt: skip
         blocks.append(report.markdown_table(headers, rows, right_align_from=3))
