@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from hpdl.interop.torch_backend.buffer_pool import IDLE_REQUESTS, BufferPool, size_class
+from hpdl.interop.torch_backend.buffer_pool import IDLE_REQUESTS, LEND_AT_MOST, BufferPool, size_class
 from hpdl.interop.torch_backend.process_group import BackendCapabilities
 
 MIB = 2**20
@@ -84,11 +84,21 @@ def test_a_smaller_request_takes_a_waiting_larger_buffer_and_gives_it_back_to_it
     large = pool.allocate(16 * MIB, torch.float32)  # a 64 MiB class
     address = large.data_ptr()
     del large
-    small = pool.allocate(MIB, torch.float32)  # 4 MiB: no buffer of its class waits
+    small = pool.allocate(16 * MIB // LEND_AT_MOST, torch.float32)  # no buffer of its class waits
     assert small.data_ptr() == address and (pool.made, pool.reused, pool.held_bytes) == (1, 1, 0)
+    assert pool.lent_beyond_bytes == 64 * MIB - 64 * MIB // LEND_AT_MOST  # what it keeps beyond its own class
     del small
-    assert pool.held_bytes == 64 * MIB
+    assert (pool.held_bytes, pool.lent_beyond_bytes) == (64 * MIB, 0)
     assert pool.allocate(16 * MIB, torch.float32).data_ptr() == address
+
+
+def test_a_buffer_more_than_the_lending_bound_larger_is_not_lent():
+    pool = BufferPool(256 * MIB)
+    large = pool.allocate(16 * MIB, torch.float32)
+    del large
+    small = pool.allocate(16 * MIB // LEND_AT_MOST - MIB, torch.float32)  # its class times the bound < 64 MiB
+    assert pool.made == 2 and pool.lent_beyond_bytes == 0
+    del small
 
 
 def test_a_request_that_makes_a_new_buffer_lets_the_smaller_waiting_ones_go():
@@ -138,3 +148,36 @@ def test_an_hpdl_group_offers_its_pool_for_cpu_tensors_only():
     assert not capabilities.supports_tensor_alloc(torch.device("meta"))
     t = capabilities.allocate_tensor(MIB, dtype=torch.float32, device=torch.device("cpu"))
     assert t.shape == (MIB,)
+
+
+def test_clear_lets_the_waiting_buffers_go_and_those_that_come_back_after_it():
+    pool = BufferPool(256 * MIB)
+    waiting, out = pool.allocate(MIB, torch.float32), pool.allocate(MIB, torch.float32)
+    del waiting
+    assert pool.held_bytes == 4 * MIB
+    pool.clear()
+    assert pool.held_bytes == 0
+    del out
+    assert pool.held_bytes == 0  # given back after clear(): let go too
+    again = pool.allocate(MIB, torch.float32)  # a new request opens the pool again
+    del again
+    assert pool.held_bytes == 4 * MIB
+
+
+def test_a_buffer_freed_while_this_thread_holds_the_pools_lock_does_not_deadlock():
+    """The garbage collector may free a pooled tensor (in a reference cycle) inside the pool's own locked section,
+    on the same thread: giving it back must not take the lock."""
+    pool = BufferPool(256 * MIB)
+
+    def free_under_the_lock() -> None:
+        cycle: list = [pool.allocate(MIB, torch.float32)]
+        cycle.append(cycle)  # only the cyclic collector frees it
+        del cycle
+        with pool._lock:
+            gc.collect()
+
+    thread = threading.Thread(target=free_under_the_lock, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the buffer's return waited for the lock its own thread held"
+    assert pool.held_bytes == 4 * MIB

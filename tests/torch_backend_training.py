@@ -100,8 +100,9 @@ def fsdp2(comm: Any, name: str, mixed: bool = False, pooled: bool = False) -> An
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    made, reused, min_bytes = pool.made, pool.reused, pool.min_bytes
     if pooled:
-        pool.min_bytes, made, reused = 0, pool.made, pool.reused
+        pool.min_bytes = 0
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_allocate_memory_from_process_group_for_comm(True)
@@ -109,7 +110,10 @@ def fsdp2(comm: Any, name: str, mixed: bool = False, pooled: bool = False) -> An
     if mixed:
         x = x.float()
         y = y.float()
-    _train(model, model.parameters(), x, y)
+    try:
+        _train(model, model.parameters(), x, y)
+    finally:
+        pool.min_bytes = min_bytes  # (the rank serves other tests next)
     params = [p.full_tensor().detach().tolist() for p in model.parameters()]
     return (params, pool.made - made, pool.reused - reused) if pooled else params
 

@@ -189,14 +189,15 @@ def measure_fsdp(options: Options, world: Any, groups: dict) -> list[dict]:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from hpdl.bench.train_zero import MODELS, build_model
 
     name = "mlp" if options.quick else "mlp50m"
     batch = MODELS[name][1]
     contenders = []
-    for label in ("fsdp2-hpdl", POOLED, "fsdp2-gloo"):
+    pooling = hasattr(FSDPModule, "set_allocate_memory_from_process_group_for_comm")  # (torch >= 2.8)
+    for label in ("fsdp2-hpdl", POOLED, "fsdp2-gloo") if pooling else ("fsdp2-hpdl", "fsdp2-gloo"):
         mesh = DeviceMesh.from_group(groups[label.split("-")[1]], "cpu")
         model = build_model(name)
         for layer in model:
@@ -205,7 +206,7 @@ def measure_fsdp(options: Options, world: Any, groups: dict) -> list[dict]:
         fully_shard(model, mesh=mesh)
         if label == POOLED:
             for module in model.modules():
-                if hasattr(module, "set_allocate_memory_from_process_group_for_comm"):  # (torch >= 2.8)
+                if isinstance(module, FSDPModule):
                     module.set_allocate_memory_from_process_group_for_comm(True)
         sync = (lambda: dist.barrier(group=groups["gloo"])) if label == "fsdp2-gloo" else world.barrier
         contenders.append(Contender(label, model, torch.optim.Adam(model.parameters(), lr=1e-3), sync))
@@ -223,8 +224,10 @@ def measure_fsdp(options: Options, world: Any, groups: dict) -> list[dict]:
 
 def _step_peaks(contenders: list, run: Callable[[Any], None], world: Any) -> list[Optional[int]]:
     """Per contender, what one training step adds to the resident set at its peak (the largest of two probes, in
-    alternating order, on the rank where it is largest); None where Linux's high-water mark cannot be reset. The
-    buffers that hpdl's pool holds between steps count as the hpdl step's: without the pool they would be free."""
+    alternating order, on the rank where it is largest); None where Linux's high-water mark cannot be reset. For
+    the pooled contender, the buffers hpdl's pool holds at the step's start count as the step's, and so do the
+    bytes by which buffers still in use (gradients) exceed what their requests asked: without the pool they would
+    be free."""
     from mpi4py import MPI
 
     from hpdl.bench import resident
@@ -234,7 +237,7 @@ def _step_peaks(contenders: list, run: Callable[[Any], None], world: Any) -> lis
     for _ in range(2):
         for i, c in enumerate(contenders):
             c.sync()
-            held = pool.held_bytes if c.name == POOLED else 0
+            held = pool.held_bytes + pool.lent_beyond_bytes if c.name == POOLED else 0
             peak = resident.peak_increase(functools.partial(run, c))
             peaks[i] = max(peaks[i], -1.0 if peak is None else float(peak + held))
             c.sync()
