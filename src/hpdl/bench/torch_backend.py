@@ -360,8 +360,8 @@ def write(options: Options, records: list[dict], config: dict, elapsed: float) -
              "ddp-hpdl and ddp-gloo run the same unmodified DDP code; only the process group differs.",
              "step's peak RSS increase: what one FSDP2 step adds to the resident set at its peak (Linux VmHWM, reset "
              "before the step; the largest of two probes and of the ranks); for fsdp2-hpdl-pooled (FSDP2 takes its "
-             "communication buffers from the group: set_allocate_memory_from_process_group_for_comm) with the "
-             "buffers the pool holds between steps."]  # fmt: skip
+             "communication buffers from the group: set_allocate_memory_from_process_group_for_comm) with what the "
+             "pool holds at the step's start and what lent buffers in use keep beyond their requests."]  # fmt: skip
     text = report.markdown_document("hpdl bench torch", header, blocks, notes, targets)
     report.write_report(options.out, "torch", text, records, config, elapsed)
 

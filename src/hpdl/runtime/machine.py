@@ -36,7 +36,7 @@ def describe(**extra: Any) -> dict[str, Any]:
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),  # torch's large tensors on huge pages
         "transparent_hugepage": {
             name: _kernel_setting(f"/sys/kernel/mm/transparent_hugepage/{name}") for name in ("enabled", "defrag")
-        },  # fmt: skip
+        },
     }
     try:
         import mpi4py

@@ -219,7 +219,7 @@ class HpdlProcessGroup(dist.ProcessGroup):
         """Free the group's communicator (destroy_process_group calls this on every member)."""
         progress.call(self.comm.close)
         progress.forget(self.comm)
-        buffer_pool.pool.clear()  # (only the buffers waiting for reuse: those in use stay theirs)
+        buffer_pool.pool.clear()  # the waiting buffers go back to the system, those in use as they return
 
     def abort(self) -> None:
         self.comm._broken = True
