@@ -66,16 +66,15 @@ def collect() -> dict[str, Any]:
 def _huge_pages() -> dict[str, str]:
     """Whether torch's large CPU tensors go on transparent huge pages here (each fresh 4 KB page of an activation
     otherwise costs a page fault: most of a 2048^2 CNN step's time; docs/comm.md, launcher section)."""
+    from hpdl.runtime.machine import transparent_hugepage
+
     value = os.environ.get("THP_MEM_ALLOC_ENABLE")
     if value is None:
         torch_side = "not set here (hpdl launch sets THP_MEM_ALLOC_ENABLE=1 for its ranks; export it under mpirun/srun)"
     else:
         torch_side = f"THP_MEM_ALLOC_ENABLE={value}" + (" (on)" if value.strip() not in ("", "0") else " (off)")
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
-            kernel = mode.read().strip()  # e.g. "always [madvise] never": torch's request needs always or madvise
-    except OSError:
-        kernel = "unknown (no /sys/kernel/mm/transparent_hugepage)"
+    # e.g. "always [madvise] never": torch's request needs always or madvise
+    kernel = transparent_hugepage("enabled") or "unknown (no /sys/kernel/mm/transparent_hugepage)"
     return {"torch tensors >= 2 MB on huge pages": torch_side, "kernel transparent huge pages": kernel}
 
 

@@ -34,9 +34,7 @@ def describe(**extra: Any) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),  # torch's large tensors on huge pages
-        "transparent_hugepage": {
-            name: _kernel_setting(f"/sys/kernel/mm/transparent_hugepage/{name}") for name in ("enabled", "defrag")
-        },
+        "transparent_hugepage": {name: _chosen(transparent_hugepage(name)) for name in ("enabled", "defrag")},
     }
     try:
         import mpi4py
@@ -59,15 +57,22 @@ def describe(**extra: Any) -> dict[str, Any]:
     return env
 
 
-def _kernel_setting(path: str) -> Optional[str]:
-    """The selected value of a kernel setting such as "always [madvise] never", or None where there is none."""
+def transparent_hugepage(name: str) -> Optional[str]:
+    """The kernel's transparent huge page setting `name` ("enabled", "defrag") as it reads, such as
+    "always [madvise] never" (the choice in brackets); None where there is none."""
     try:
-        with open(path) as setting:
-            text = setting.read()
+        with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as setting:
+            return setting.read().strip()
     except OSError:
         return None
-    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
-    return chosen[0] if chosen else text.strip()
+
+
+def _chosen(setting: Optional[str]) -> Optional[str]:
+    """The bracketed choice of a kernel setting ("madvise" of "always [madvise] never")."""
+    if setting is None:
+        return None
+    chosen = [word[1:-1] for word in setting.split() if word.startswith("[")]
+    return chosen[0] if chosen else setting
 
 
 def _cpu_model() -> str:
