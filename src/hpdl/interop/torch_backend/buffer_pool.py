@@ -92,19 +92,21 @@ class BufferPool:
     @property
     def held_bytes(self) -> int:
         """Bytes of returned buffers waiting here (resident: they were used)."""
-        with self._lock:
-            dropped = self._sort_returned()
-        del dropped
+        self._settle()
         return self._held
 
     @property
     def lent_beyond_bytes(self) -> int:
         """Bytes by which the buffers in use exceed their requests' own classes (a request lent a larger buffer
         keeps all of it: resident, as it was used before)."""
+        self._settle()
+        return self._lent_beyond
+
+    def _settle(self) -> None:
+        """Sort in what torch gave back, so that the counts are current (what goes is freed outside the lock)."""
         with self._lock:
             dropped = self._sort_returned()
         del dropped
-        return self._lent_beyond
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor of `numel` elements of `dtype` (uninitialised, like `torch.empty`)."""
