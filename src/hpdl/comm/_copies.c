@@ -124,9 +124,8 @@ enum { KIND_FLOAT32_SUM = 0, KIND_FLOAT64_SUM = 1 };
    `assign` true the tensors' own values are not an operand: they receive the sum of the sources alone),
    divided by `divisor` (an average; 1: a sum), and the result also written to `out_address` (where the other
    ranks copy it from; 0: nowhere else), or to each address of a tuple (with shared buffers on every rank: the
-   other ranks' own tensors). The
-   shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py): each rank reduces its slice where it lies in
-   its own tensors, with no flat buffer and no torch call per piece. */
+   other ranks' own tensors). The shared-memory allreduce and reduce-scatter (hpdl/comm/shm.py): each rank
+   reduces its slice where it lies in its own tensors, with no flat buffer and no torch call per piece. */
 static PyObject *reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
     if (nargs != 7 && nargs != 8) {
