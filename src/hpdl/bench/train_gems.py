@@ -8,9 +8,12 @@ size, no recomputation, SGD with momentum, alternating per round:
     1f1b    schedule="1f1b"
     gpipe   schedule="gpipe"
 
-Per contender: samples/s (median, min-max), the measured bubble (1 - the
-slowest rank's compute-only time / step time, where compute-only is that
-rank's own forwards and backwards of the step run alone), hpdl's busy-time
+Per contender: samples/s (median, min-max), the measured bubble (the
+ranks' idle share of the step: 1 - the mean over ranks of each rank's
+compute-only time / step time, where compute-only is that rank's own
+forwards and backwards of the step run alone), the step's excess over the
+slowest rank's compute-only time (the bubble as the slowest rank sees it:
+with unequal stages the faster ranks' idle time is not in it), hpdl's busy-time
 bubble (1 - compute / step seconds, counted by the engine), the grid
 bubble of the schedule, peak activation bytes per rank (ActivationMeter)
 and parameter bytes per rank (gems holds two stages per rank). Targets:
@@ -97,14 +100,16 @@ def launch(argv: list[str]) -> int:
 
 
 def activation_heavy(quick: bool) -> Any:
-    """GEMS' regime: activations much larger than the weights (8 x Linear(256, 256), batch 2048)."""
+    """GEMS' regime: activations much larger than the weights (8 x Linear(256, 256), batch 8192: 24 MiB of
+    activations per rank against 1.8 MiB of weights; with batch 2048 an action took 1.5 ms, and hpdl's fixed cost
+    per action, ~0.15 ms, was most of what GEMS did not fill)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
     from hpdl.bench.train_pipeline import Workload
 
-    width, batch, depth = (64, 256, 8) if quick else (256, 2048, 8)
+    width, batch, depth = (64, 256, 8) if quick else (256, 8192, 8)
 
     def layers() -> list:
         return [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)] + [nn.Linear(width, 10)]
@@ -226,7 +231,8 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
     world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     world.Allreduce(MPI.IN_PLACE, busy, op=MPI.SUM)
     busy /= comm.size
-    world.Allreduce(MPI.IN_PLACE, compute, op=MPI.MAX)  # the slowest rank's, round by round
+    each_rank = np.zeros((comm.size, *compute.shape))
+    world.Allgather(compute, each_rank)  # every rank's own compute-only time, round by round
     peak_table = np.zeros((comm.size, len(pipes)))
     world.Allgather(peaks, peak_table)
     param_table = np.zeros((comm.size, len(pipes)))
@@ -234,14 +240,17 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
     records = []
     for i, schedule in enumerate(CONTENDERS):
         step_s = float(np.median(times[i])) / options.steps
-        bubbles = 1.0 - compute[i] / (times[i] / options.steps)  # each round's compute beside its own steps
+        step_times = times[i] / options.steps  # each round's compute beside its own steps
+        idle = 1.0 - each_rank[:, i].mean(axis=0) / step_times
+        over_slowest = 1.0 - each_rank[:, i].max(axis=0) / step_times
         grid = pipes[i].schedule(options.chunks).bubble
         records.append({
             "model": name, "workload": w.describe, "contender": schedule, "ranks": comm.size, "batch": w.batch,
             "microbatches": options.chunks,
             "samples_per_s": report.summarize([w.batch * options.steps / t for t in times[i]]),
-            "step_ms": step_s * 1e3, "compute_only_ms": float(np.median(compute[i])) * 1e3,
-            "bubble_measured": float(np.median(bubbles)), "bubble_busy": float(np.median(busy[i])),
+            "step_ms": step_s * 1e3, "compute_only_ms": float(np.median(each_rank[:, i].max(axis=0))) * 1e3,
+            "bubble_measured": float(np.median(idle)), "bubble_slowest_rank": float(np.median(over_slowest)),
+            "bubble_busy": float(np.median(busy[i])),
             "bubble_grid": grid,
             "peak_activation_bytes_per_rank": peak_table[:, i].tolist(),
             "parameter_bytes_per_rank": param_table[:, i].tolist(),
@@ -251,8 +260,8 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
     return records
 
 
-HEADERS = ["model", "schedule", "samples/s", "min-max", "vs 1f1b", "bubble measured", "busy-time bubble",
-           "grid bubble", "peak activations MiB per rank", "parameters MiB per rank"]  # fmt: skip
+HEADERS = ["model", "schedule", "samples/s", "min-max", "vs 1f1b", "bubble measured", "slowest rank's bubble",
+           "busy-time bubble", "grid bubble", "peak activations MiB per rank", "parameters MiB per rank"]  # fmt: skip
 
 
 def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
@@ -264,7 +273,7 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
             s = r["samples_per_s"]
             r["vs_1f1b"] = s["median"] / base["samples_per_s"]["median"]
             rows.append([model, name, s["median"], f"{s['min']:.0f}-{s['max']:.0f}", r["vs_1f1b"], r["bubble_measured"],
-                         r["bubble_busy"], r["bubble_grid"],
+                         r["bubble_slowest_rank"], r["bubble_busy"], r["bubble_grid"],
                          " / ".join(f"{v / 2**20:.1f}" for v in r["peak_activation_bytes_per_rank"]),
                          " / ".join(f"{v / 2**20:.1f}" for v in r["parameter_bytes_per_rank"])])  # fmt: skip
         g = mine["gems"]
@@ -299,8 +308,10 @@ def worker(options: Options) -> int:
             f"OMP_NUM_THREADS=1, {options.rounds} rounds x {options.steps} steps, alternating per round"
         )
         notes = [
-            "bubble measured = 1 - (slowest rank's own forwards and backwards of a step, run alone in the same "
-            "round) / step time; the median over rounds.",
+            "bubble measured = the ranks' idle share of the step: 1 - (mean over ranks of each rank's own forwards "
+            "and backwards of a step, run alone in the same round) / step time; the median over rounds.",
+            "slowest rank's bubble = 1 - (the slowest rank's own forwards and backwards) / step time: the same where "
+            "the stages cost the same; with unequal stages the faster ranks' idle time is not in it.",
             "busy-time bubble = the engine's own count: 1 - compute seconds / step seconds (gems: both replicas and "
             "the gradient exchange).",
             "grid bubble = the schedule's idle fraction on its time grid (forward 1 slot, backward 2).",
