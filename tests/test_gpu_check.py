@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hpdl.bench.gpu_check import OPS, launch
+from hpdl.interop.torch_backend.process_group import python_backends
 
 
 def rows(table: str) -> dict[tuple[str, str], str]:
@@ -25,6 +26,8 @@ def test_gpu_check_dry_run_on_cpu(capsys):
         assert results[("mpi", f"backend {check}")].startswith("PASS cpu"), results
     assert results[("mpi", "backend DDP step")].startswith("PASS"), results
     assert results[("mpi", "backend FSDP2 step")].startswith("PASS cpu"), results
+    beside = results[("mpi", "backend beside another")]  # (torch >= 2.14: hpdl's CPU side of "cpu:hpdl,cuda:gloo")
+    assert beside.startswith("PASS cpu:hpdl,cuda:gloo: cpu HpdlBackend" if python_backends() else "n/a torch"), beside
     for check in ("ml K-Means", "ml k-NN"):
         assert results[("torch", check)].startswith("PASS torch cpu tensors"), results
 

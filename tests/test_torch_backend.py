@@ -173,33 +173,61 @@ def test_torchrun_launch_fails_at_once_with_how_to_launch():
 
 
 TWO_BACKENDS = """
-import torch, torch.distributed as dist, hpdl
+import os, torch, torch.distributed as dist, hpdl
+from hpdl.interop.torch_backend.process_group import python_backends
+
+
+def say(*words):  # one write per line: the ranks share the pipe
+    os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+
+
+# (torch >= 2.14: gloo stands in for NCCL on CUDA tensors, which needs a GPU to start)
+spec = "cpu:hpdl,cuda:gloo" if python_backends() else "cpu:hpdl,cuda:nccl"
 try:
-    dist.init_process_group("cpu:hpdl,cuda:nccl")
-    print("initialized", type(dist.group.WORLD).__name__)
+    dist.init_process_group(spec)
+    cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
+    say("initialized", dist.get_backend(), type(dist.group.WORLD).__name__, type(cpu).__name__)
+    t, before = torch.full((2,), dist.get_rank() + 1.0), cpu.comm._seq
+    dist.all_reduce(t)
+    say("cpu tensors on hpdl", t.tolist(), cpu.comm._seq - before)
+    torch.manual_seed(0)  # DDP on the group: the whole batch's gradient, as one process computes it
+    model, x = torch.nn.Linear(3, 2).double(), torch.randn(8, 3, dtype=torch.float64)
+    whole = torch.autograd.grad(model(x).square().mean(), model.weight)[0]
+    ddp, before = torch.nn.parallel.DistributedDataParallel(model), cpu.comm._seq
+    ddp(x.chunk(2)[dist.get_rank()]).square().mean().backward()
+    say("ddp equal", torch.allclose(model.weight.grad, whole, rtol=0, atol=1e-12), cpu.comm._seq > before)
+    dist.destroy_process_group()
 except Exception as exc:
-    print(type(exc).__name__, exc)
+    say(type(exc).__name__, exc)
 dist.init_process_group("cpu:hpdl,cuda:hpdl")  # hpdl for both: one group, as asked
 t = torch.ones(2)
 dist.all_reduce(t)
-print("both on hpdl", t.tolist(), flush=True)
+say("both on hpdl", t.tolist(), type(dist.group.WORLD).__name__)
 """
 
 
-def test_hpdl_beside_another_backend_is_refused_not_dropped_in_silence():
-    """torch lets a Python process group replace the whole group: "cpu:hpdl,cuda:nccl" gave hpdl every tensor,
-    CUDA ones included, while dist.get_backend() still said "cpu:hpdl,cuda:nccl"."""
+def test_hpdl_beside_another_backend_serves_its_devices_or_is_refused_not_dropped_in_silence():
+    """torch < 2.14 lets a Python process group replace the whole group: "cpu:hpdl,cuda:nccl" gave hpdl every
+    tensor, CUDA ones included, while dist.get_backend() still said "cpu:hpdl,cuda:nccl": refused, saying what to
+    do. torch >= 2.14 reaches a Python `Backend` (its PyBackend trampoline): hpdl then serves CPU tensors in
+    torch's own group beside the other backend (run once on 2.14.1, 2 ranks: the suite pins 2.13)."""
+    from hpdl.interop.torch_backend.process_group import python_backends
     from hpdl.runtime.spawn import mpiexec_argv
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [*mpiexec_argv(1), sys.executable, "-c", TWO_BACKENDS], env=env, capture_output=True, text=True, timeout=120
+        [*mpiexec_argv(2), sys.executable, "-c", TWO_BACKENDS], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     said = done.stdout
-    assert "LaunchError init_process_group('cpu:hpdl,cuda:nccl')" in said and "cuda:nccl would be ignored" in said
-    assert "dist.new_group(backend='hpdl')" in said and "initialized" not in said, said
-    assert "both on hpdl [1.0, 1.0]" in said, said
+    if python_backends():
+        assert said.count("initialized cpu:hpdl,cuda:gloo ProcessGroup HpdlBackend") == 2, said
+        assert said.count("cpu tensors on hpdl [3.0, 3.0] 1") == 2, said  # one hpdl call per rank, summed
+        assert said.count("ddp equal True True") == 2, said
+    else:
+        assert "LaunchError init_process_group('cpu:hpdl,cuda:nccl')" in said and "cuda:nccl would be ignored" in said
+        assert "dist.new_group(backend='hpdl')" in said and "torch >= 2.14" in said and "initialized" not in said
+    assert said.count("both on hpdl [2.0, 2.0] HpdlProcessGroup") == 2, said
 
 
 def test_a_torch_older_than_the_backend_is_named_not_failed(monkeypatch):

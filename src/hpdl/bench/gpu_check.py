@@ -9,6 +9,9 @@ Prints one table (see ../shared/GPU.md):
   DataParallel (the wrapper's overhead);
 - the "hpdl" torch.distributed backend on CUDA tensors (2 ranks): its
   collectives against CPU tensors, one DDP step and one FSDP2 step;
+- hpdl beside NCCL in one torch group ("cpu:hpdl,cuda:nccl", torch >= 2.14;
+  one rank, since NCCL needs a GPU per rank): CPU tensors through hpdl,
+  CUDA tensors through NCCL;
 - hpdl.ml's K-Means and k-NN on device arrays (CuPy when it is installed,
   else torch CUDA tensors) against the same fit on NumPy: same answers,
   and the speed-up.
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpdl bench gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the checks run")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for each job")
-    parser.add_argument("--worker", choices=("mpi", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("mpi", "torch", "beside"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser
 
@@ -61,9 +64,9 @@ def launch(argv: list[str]) -> int:
     rows.append(["hpdl info", "mpi fast-path calls", str(info.get("mpi fast-path calls"))])
     failed = False
     with tempfile.TemporaryDirectory() as folder:
-        for backend, ranks in (("mpi", 2), ("torch", 1)):
-            out = os.path.join(folder, f"{backend}.json")
-            target = ["-m", "hpdl.bench.gpu_check", "--worker", backend, "--device", options.device, "--out", out]
+        for backend, worker, ranks in (("mpi", "mpi", 2), ("torch", "torch", 1), ("mpi", "beside", 1)):
+            out = os.path.join(folder, f"{worker}.json")
+            target = ["-m", "hpdl.bench.gpu_check", "--worker", worker, "--device", options.device, "--out", out]
             code = spawn.run(ranks, target, backend=backend, timeout=options.timeout, name="hpdl bench gpu")
             if code != 0 or not os.path.exists(out):
                 rows.append([backend, "job", f"FAIL (exit code {code})"])
@@ -210,6 +213,39 @@ def torch_backend(device: Any) -> list[tuple[str, str, str]]:
     return results
 
 
+def beside_another_backend(device: Any) -> list[tuple[str, str, str]]:
+    """hpdl beside another backend in one torch group (torch >= 2.14, `HpdlBackend`): a CPU tensor's all_reduce is
+    one hpdl call, a CUDA tensor's goes to NCCL (gloo on the CPU dry run, which has no CUDA tensor to send)."""
+    import torch
+    import torch.distributed as dist
+
+    from hpdl.interop.torch_backend.process_group import python_backends
+
+    name = "backend beside another"
+    if not python_backends():
+        return [(name, "n/a", f"torch {torch.__version__}: a Python backend sits beside another from torch 2.14")]
+    spec = "cpu:hpdl,cuda:" + ("nccl" if device.type == "cuda" else "gloo")
+    try:
+        dist.init_process_group(spec)
+        group: Any = dist.group.WORLD
+        hpdl_side = group._get_backend(torch.device("cpu"))  # (an HpdlBackend)
+        before = hpdl_side.comm._seq
+        on_cpu = torch.arange(4.0)
+        dist.all_reduce(on_cpu)
+        same = torch.equal(on_cpu, torch.arange(4.0) * dist.get_world_size()) and hpdl_side.comm._seq == before + 1
+        detail = f"{spec}: cpu {type(hpdl_side).__name__}"
+        if device.type == "cuda":
+            on_device = torch.arange(4.0, device=device)
+            dist.all_reduce(on_device)
+            other = group._get_backend(device).name()
+            same &= torch.equal(on_device.cpu(), on_cpu) and hpdl_side.comm._seq == before + 1  # not through hpdl
+            detail += f", {device} {other}"
+        dist.destroy_process_group()
+        return [(name, "PASS" if same else "FAIL", detail)]
+    except Exception as exc:
+        return [(name, "FAIL", f"{spec}: {type(exc).__name__}: {exc}"[:200])]
+
+
 def _fsdp2_step(device: Any) -> tuple[str, str, str]:
     """One FSDP2 step over the "hpdl" group (its all-gathers and reduce-scatters on `device` tensors) against the
     same step of the plain model; every rank the same batch, so the sharded gradient is the local one. NCCL beside
@@ -336,6 +372,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return launch(sys.argv[1:] if argv is None else argv)
     import hpdl
 
+    if options.worker == "beside":
+        results = beside_another_backend(_device(options.device))
+        with open(options.out, "w") as handle:
+            json.dump(results, handle)
+        hpdl.finalize()
+        return 0
     comm = hpdl.init(options.worker, timeout=120.0)
     device = _device(options.device)
     if device.type == "cuda":

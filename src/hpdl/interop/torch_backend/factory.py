@@ -61,28 +61,31 @@ def requested_device_backends() -> dict[str, str]:
     return {}
 
 
-def refuse_a_second_backend(devices: dict[str, str]) -> None:
-    """Raise when "hpdl" was asked for beside another backend ("cpu:hpdl,cuda:nccl"): a Python process group
-    replaces torch's whole group, so the other backend would be dropped without a word."""
+def beside_another_backend(devices: dict[str, str]) -> bool:
+    """Whether "hpdl" was asked for beside another backend ("cpu:hpdl,cuda:nccl"). From torch 2.14 hpdl then
+    serves its devices as a `Backend` in torch's own group; before, a Python process group replaces torch's whole
+    group, so the other backend would be dropped without a word: an error that says what to do instead."""
     import torch
 
+    from hpdl.interop.torch_backend.process_group import python_backends
+
     others = [f"{device}:{backend}" for device, backend in devices.items() if backend.lower() != "hpdl"]
-    if not others:
-        return
+    if not others or python_backends():
+        return bool(others)
     spec = ",".join(f"{device}:{backend}" for device, backend in devices.items())
     raise LaunchError(
-        f"init_process_group({spec!r}): hpdl's process group replaces torch's whole group (torch "
+        f"init_process_group({spec!r}): before torch 2.14 hpdl's process group replaces torch's whole group (torch "
         f"{torch.__version__} lets a Python backend sit beside no other), so {', '.join(others)} would be "
         "ignored and those tensors would go through hpdl without a word. Use 'hpdl' alone (CUDA tensors then go "
-        "through MPI: CUDA-aware or staged through the host), or keep the other backend as the default group "
-        "and make an hpdl group for CPU tensors with dist.new_group(backend='hpdl')."
+        "through MPI: CUDA-aware or staged through the host), keep the other backend as the default group "
+        "and make an hpdl group for CPU tensors with dist.new_group(backend='hpdl'), or use torch >= 2.14."
     )
 
 
 def create_process_group(backend_options: Any, pg_options: Any) -> Any:
     if why := unavailable():
         raise LaunchError(f"{why}; upgrade torch, or use hpdl's own API (hpdl.init(), DataParallel) on this one")
-    refuse_a_second_backend(requested_device_backends())
+    beside = beside_another_backend(requested_device_backends())
     launch = detect()
     if launch.launcher == "torchrun" or launch.backend == "torch":
         raise LaunchError(
@@ -92,7 +95,7 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
         )
     import hpdl
     from hpdl.comm.mpi_backend import MPI, MpiCommunicator
-    from hpdl.interop.torch_backend.process_group import HpdlProcessGroup, _guard_from_compile
+    from hpdl.interop.torch_backend.process_group import HpdlProcessGroup, _guard_from_compile, backend_class
     from hpdl.interop.torch_backend.progress import progress
 
     world = hpdl.init("mpi")
@@ -101,6 +104,7 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
     seconds = backend_options.timeout.total_seconds() if backend_options.timeout is not None else world.timeout
     timeout = min(world.timeout, seconds) if seconds > 0 else world.timeout
     _guard_from_compile()
+    group_class = backend_class() if beside else HpdlProcessGroup  # (a Backend: torch's group holds it)
     if not ranks:  # the default group
         if size != world.size or rank != world.rank:
             raise LaunchError(
@@ -112,7 +116,7 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
         comm.timeout = timeout
         if _meeting is None:
             _meeting = progress.call(MPI.COMM_WORLD.Dup)  # every rank is here: a collective is safe
-        return HpdlProcessGroup(comm, list(range(size)))
+        return group_class(comm, list(range(size)))
     if len(ranks) != size or ranks[rank] != world.rank:
         raise LaunchError(
             f"new_group(backend='hpdl'): torch's global ranks {ranks} do not match MPI's (this is MPI rank "
@@ -127,7 +131,7 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
         members.Free()
         return MpiCommunicator(sub, timeout=timeout, debug=world.debug, tuning=getattr(world, "_tuning", None))
 
-    return HpdlProcessGroup(progress.call(create), ranks)
+    return group_class(progress.call(create), ranks)
 
 
 def group_tag(ranks: list[int]) -> int:

@@ -1,17 +1,24 @@
-# mypy: disable-error-code="override,assignment"
-# (torch's stubs type ProcessGroup's methods as the overloads of its Python API; the trampoline calls these.)
-"""`HpdlProcessGroup`: a `torch.distributed.ProcessGroup` whose collectives run on an hpdl `Communicator`.
+# mypy: disable-error-code="override,assignment,misc"
+# (torch's stubs type ProcessGroup's methods as the overloads of its Python API; the trampoline calls these, and
+# the shared collectives' class then "conflicts" with them.)
+"""`HpdlProcessGroup` and `HpdlBackend`: torch process groups and backends whose collectives run on an hpdl
+`Communicator`.
 
-torch 2.13 replaces its own process group by any `ProcessGroup` subclass a
+torch replaces its own process group by any `ProcessGroup` subclass a
 registered backend returns, and its C++ side (DDP's reducer, functional
 collectives, DTensor) reaches these Python methods through the pybind
-trampoline; `torch.distributed`'s Python functions call them directly. Each
-method starts the operation at once on the group's communicator and
-returns an `HpdlWork` (see progress.py for who completes it).
+trampoline; `torch.distributed`'s Python functions call them directly. From
+torch 2.14 a Python subclass of torch's C++ `Backend` is reached the same way
+(its `PyBackend` trampoline) and sits in torch's own group for the devices it
+was asked for, beside another backend ("cpu:hpdl,cuda:nccl"). Both classes
+share the collectives (`HpdlCollectives`): each method starts the operation
+at once on the communicator and returns an `HpdlWork` (see progress.py for
+who completes it).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -23,7 +30,7 @@ from hpdl.interop.torch_backend import buffer_pool, ops
 from hpdl.interop.torch_backend.progress import Started, progress
 from hpdl.interop.torch_backend.work import HpdlWork
 
-__all__ = ["HpdlProcessGroup", "BackendCapabilities"]
+__all__ = ["HpdlProcessGroup", "HpdlBackend", "BackendCapabilities", "python_backends"]
 
 SERVED_DEVICES = ("cpu", "cuda")
 """The device types whose tensors the group takes (CUDA ones through CUDA-aware MPI or staged via the host)."""
@@ -59,45 +66,11 @@ _CAPABILITIES = BackendCapabilities()
 """The same answer for every group: nothing in it depends on the group."""
 
 
-class HpdlProcessGroup(dist.ProcessGroup):
-    """A torch process group over `comm` (an hpdl MPI communicator of exactly this group's ranks).
+class HpdlCollectives:
+    """The collectives of an hpdl group or backend, on `self.comm` (an hpdl MPI communicator of exactly the
+    group's ranks)."""
 
-    `comm` is public: attach a tracer (`group.comm.tracer = Tracer()`) or
-    change the timeout there.
-    """
-
-    def __init__(self, comm: Communicator, global_ranks: list[int]):
-        super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload
-        self.comm = comm
-        self.global_ranks = global_ranks
-        self._group_name = ""
-        self._group_desc = ""
-
-    # identity -------------------------------------------------------------------------
-    def getBackendName(self) -> str:
-        return "hpdl"
-
-    def _get_backend(self, device: Any) -> BackendCapabilities:
-        kind = torch.device(device).type
-        if kind not in SERVED_DEVICES:
-            raise RuntimeError(f"No backend type associated with device type {kind}")  # torch's own words
-        return _CAPABILITIES
-
-    # torch names every group (functional collectives find it by name); a backend-less Python group keeps it
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
-
-    def __repr__(self) -> str:
-        return f"<hpdl process group rank {self.comm.rank} of {self.comm.size} (global ranks {self.global_ranks})>"
+    comm: Communicator
 
     # collectives ------------------------------------------------------------------------
     def _submit(self, start: Callable[[], Started], outputs: Any, p2p: bool = False) -> HpdlWork:
@@ -225,6 +198,94 @@ class HpdlProcessGroup(dist.ProcessGroup):
         self.comm._broken = True
 
 
+class HpdlProcessGroup(HpdlCollectives, dist.ProcessGroup):
+    """A torch process group over `comm` (an hpdl MPI communicator of exactly this group's ranks).
+
+    `comm` is public: attach a tracer (`group.comm.tracer = Tracer()`) or
+    change the timeout there.
+    """
+
+    def __init__(self, comm: Communicator, global_ranks: list[int]):
+        super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload
+        self.comm = comm
+        self.global_ranks = global_ranks
+        self._group_name = ""
+        self._group_desc = ""
+
+    # identity -------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "hpdl"
+
+    def _get_backend(self, device: Any) -> BackendCapabilities:
+        kind = torch.device(device).type
+        if kind not in SERVED_DEVICES:
+            raise RuntimeError(f"No backend type associated with device type {kind}")  # torch's own words
+        return _CAPABILITIES
+
+    # torch names every group (functional collectives find it by name); a backend-less Python group keeps it
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"<hpdl process group rank {self.comm.rank} of {self.comm.size} (global ranks {self.global_ranks})>"
+
+
+def python_backends() -> bool:
+    """Whether this torch reaches a Python subclass of its C++ `Backend` (its `PyBackend` trampoline, torch 2.14):
+    only then can hpdl sit beside another backend in one group."""
+    from hpdl.runtime.environment import torch_release
+
+    return torch_release() >= (2, 14)
+
+
+def backend_class() -> type:
+    """`HpdlBackend`, made on first use (on a torch before 2.14 the C++ `Backend` would never call its methods, and
+    `import hpdl` must not depend on torch.distributed's internals)."""
+    global HpdlBackend
+    if HpdlBackend is None:
+        from torch._C._distributed_c10d import Backend
+
+        class _HpdlBackend(HpdlCollectives, Backend):  # type: ignore[misc]
+            """hpdl as one device's backend of a torch group ("cpu:hpdl,cuda:nccl": torch's group sends CPU
+            tensors here and CUDA tensors to NCCL). `comm` is public, as on `HpdlProcessGroup`."""
+
+            def __init__(self, comm: Communicator, global_ranks: list[int]):
+                super().__init__(comm.rank, comm.size)
+                self.comm = comm
+                self.global_ranks = global_ranks
+
+            def getBackendName(self) -> str:
+                return "hpdl"
+
+            def supports_tensor_alloc(self, device: Any) -> bool:
+                index_only = isinstance(device, int)  # (torch's C++ side passes a device index)
+                return (index_only or torch.device(device).type == "cpu") and buffer_pool.pool.enabled
+
+            def allocate_tensor(self, size: int, *, dtype: torch.dtype, device: Any) -> torch.Tensor:
+                return _CAPABILITIES.allocate_tensor(size, dtype=dtype, device=device)
+
+            def __repr__(self) -> str:
+                return f"<hpdl backend rank {self.comm.rank} of {self.comm.size} (global ranks {self.global_ranks})>"
+
+        _HpdlBackend.__name__ = _HpdlBackend.__qualname__ = "HpdlBackend"
+        HpdlBackend = _HpdlBackend
+        _disable_dynamo_in_methods()
+    return HpdlBackend
+
+
+HpdlBackend: Any = None
+"""The class `backend_class()` makes (None until then)."""
+
+
 def _guard_from_compile() -> None:
     """Keep torch.compile (dynamo) out of the backend's methods, once dynamo is loaded (too heavy to load here):
     a group made before `torch.compile(ddp)` is first called is guarded too."""
@@ -232,6 +293,9 @@ def _guard_from_compile() -> None:
 
 
 def _disable_dynamo_in_methods() -> None:
-    for name, value in list(vars(HpdlProcessGroup).items()):
-        if callable(value) and not name.startswith("__") and not getattr(value, "_torchdynamo_disable", False):
-            setattr(HpdlProcessGroup, name, torch.compiler.disable(value))
+    if "torch._dynamo" not in sys.modules:  # (backend_class calls this too: only once dynamo is loaded)
+        return
+    for cls in (HpdlCollectives, HpdlProcessGroup, HpdlBackend):
+        for name, value in list(vars(cls).items()) if cls is not None else ():
+            if callable(value) and not name.startswith("__") and not getattr(value, "_torchdynamo_disable", False):
+                setattr(cls, name, torch.compiler.disable(value))
