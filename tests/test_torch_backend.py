@@ -173,7 +173,8 @@ def test_torchrun_launch_fails_at_once_with_how_to_launch():
 
 
 TWO_BACKENDS = """
-import os, torch, torch.distributed as dist, hpdl
+import os, time, torch, torch.distributed as dist, hpdl
+from mpi4py import MPI
 from hpdl.interop.torch_backend.process_group import python_backends
 
 
@@ -183,6 +184,7 @@ def say(*words):  # one write per line: the ranks share the pipe
 
 # (torch >= 2.14: gloo stands in for NCCL on CUDA tensors, which needs a GPU to start)
 spec = "cpu:hpdl,cuda:gloo" if python_backends() else "cpu:hpdl,cuda:nccl"
+time.sleep(MPI.COMM_WORLD.Get_rank())  # a late rank: the first to be refused must not leave it hanging
 try:
     dist.init_process_group(spec)
     cpu = dist.group.WORLD._get_backend(torch.device("cpu"))
@@ -209,8 +211,10 @@ say("both on hpdl", t.tolist(), type(dist.group.WORLD).__name__)
 def test_hpdl_beside_another_backend_serves_its_devices_or_is_refused_not_dropped_in_silence():
     """torch < 2.14 lets a Python process group replace the whole group: "cpu:hpdl,cuda:nccl" gave hpdl every
     tensor, CUDA ones included, while dist.get_backend() still said "cpu:hpdl,cuda:nccl": refused, saying what to
-    do. torch >= 2.14 reaches a Python `Backend` (its PyBackend trampoline): hpdl then serves CPU tensors in
-    torch's own group beside the other backend (run once on 2.14.1, 2 ranks: the suite pins 2.13)."""
+    do, and the program may then try again with "hpdl" (every rank refuses only after every rank has left the
+    rendezvous, else a late rank kept connecting to the store of the failed attempt: both ranks hung). torch >=
+    2.14 reaches a Python `Backend` (its PyBackend trampoline): hpdl then serves CPU tensors in torch's own
+    group beside the other backend (run on 2.14.1: the suite pins 2.13)."""
     from hpdl.interop.torch_backend.process_group import python_backends
     from hpdl.runtime.spawn import mpiexec_argv
 

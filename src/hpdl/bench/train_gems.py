@@ -101,8 +101,8 @@ def launch(argv: list[str]) -> int:
 
 def activation_heavy(quick: bool) -> Any:
     """GEMS' regime: activations much larger than the weights (8 x Linear(256, 256), batch 8192: 24 MiB of
-    activations per rank against 1.8 MiB of weights; with batch 2048 an action took 1.5 ms, and hpdl's fixed cost
-    per action, ~0.15 ms, was most of what GEMS did not fill)."""
+    activations per rank against 1.8 MiB of weights; with batch 2048 an action took 2-4 ms, and hpdl's fixed cost
+    per action, about 0.3 ms, was half of what GEMS did not fill)."""
     import torch
     import torch.nn.functional as F
     from torch import nn

@@ -73,6 +73,12 @@ def beside_another_backend(devices: dict[str, str]) -> bool:
     if not others or python_backends():
         return bool(others)
     spec = ",".join(f"{device}:{backend}" for device, backend in devices.items())
+    import hpdl
+
+    # Every rank refuses, but not at the same moment: one that raised first and tried again (as the message says)
+    # dropped the store of this attempt's rendezvous while a slower rank was still connecting to it, and both
+    # waited for torch's store timeout. So every rank has left the rendezvous before any raises.
+    hpdl.init("mpi").barrier()
     raise LaunchError(
         f"init_process_group({spec!r}): before torch 2.14 hpdl's process group replaces torch's whole group (torch "
         f"{torch.__version__} lets a Python backend sit beside no other), so {', '.join(others)} would be "
