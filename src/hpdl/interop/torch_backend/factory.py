@@ -73,12 +73,6 @@ def beside_another_backend(devices: dict[str, str]) -> bool:
     if not others or python_backends():
         return bool(others)
     spec = ",".join(f"{device}:{backend}" for device, backend in devices.items())
-    import hpdl
-
-    # Every rank refuses, but not at the same moment: one that raised first and tried again (as the message says)
-    # dropped the store of this attempt's rendezvous while a slower rank was still connecting to it, and both
-    # waited for torch's store timeout. So every rank has left the rendezvous before any raises.
-    hpdl.init("mpi").barrier()
     raise LaunchError(
         f"init_process_group({spec!r}): before torch 2.14 hpdl's process group replaces torch's whole group (torch "
         f"{torch.__version__} lets a Python backend sit beside no other), so {', '.join(others)} would be "
@@ -91,7 +85,6 @@ def beside_another_backend(devices: dict[str, str]) -> bool:
 def create_process_group(backend_options: Any, pg_options: Any) -> Any:
     if why := unavailable():
         raise LaunchError(f"{why}; upgrade torch, or use hpdl's own API (hpdl.init(), DataParallel) on this one")
-    beside = beside_another_backend(requested_device_backends())
     launch = detect()
     if launch.launcher == "torchrun" or launch.backend == "torch":
         raise LaunchError(
@@ -106,6 +99,16 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
 
     world = hpdl.init("mpi")
     ranks = [int(r) for r in backend_options.global_ranks_in_group]
+    try:
+        beside = beside_another_backend(requested_device_backends())
+    except LaunchError:
+        # The default group's ranks all refuse, but not at the same moment: one that raised first and tried again
+        # (as the message says) dropped the store of this attempt's rendezvous while a later rank was still
+        # connecting to it, and both waited for torch's store timeout. So every rank has left the rendezvous
+        # first. (A sub-group's creation starts no rendezvous, and only its members get here.)
+        if not ranks:
+            progress.call(world.barrier)
+        raise
     size, rank = int(backend_options.group_size), int(backend_options.group_rank)
     seconds = backend_options.timeout.total_seconds() if backend_options.timeout is not None else world.timeout
     timeout = min(world.timeout, seconds) if seconds > 0 else world.timeout
