@@ -198,6 +198,14 @@ try:
     ddp, before = torch.nn.parallel.DistributedDataParallel(model), cpu.comm._seq
     ddp(x.chunk(2)[dist.get_rank()]).square().mean().backward()
     say("ddp equal", torch.allclose(model.weight.grad, whole, rtol=0, atol=1e-12), cpu.comm._seq > before)
+    from torch.distributed.fsdp import fully_shard  # FSDP2's buffers from hpdl's pool, through the Backend
+    from hpdl.interop.torch_backend.buffer_pool import pool
+
+    sharded = fully_shard(torch.nn.Linear(1024, 512), mesh=dist.device_mesh.init_device_mesh("cpu", (2,)))
+    sharded.set_allocate_memory_from_process_group_for_comm(True)
+    for _ in range(2):
+        sharded(torch.randn(4, 1024)).sum().backward()
+    say("fsdp2 buffers from the pool", pool.made > 0 and pool.reused > 0)
     dist.destroy_process_group()
 except Exception as exc:
     say(type(exc).__name__, exc)
@@ -228,6 +236,7 @@ def test_hpdl_beside_another_backend_serves_its_devices_or_is_refused_not_droppe
         assert said.count("initialized cpu:hpdl,cuda:gloo ProcessGroup HpdlBackend") == 2, said
         assert said.count("cpu tensors on hpdl [3.0, 3.0] 1") == 2, said  # one hpdl call per rank, summed
         assert said.count("ddp equal True True") == 2, said
+        assert said.count("fsdp2 buffers from the pool True") == 2, said
     else:
         assert "LaunchError init_process_group('cpu:hpdl,cuda:nccl')" in said and "cuda:nccl would be ignored" in said
         assert "dist.new_group(backend='hpdl')" in said and "torch >= 2.14" in said and "initialized" not in said
