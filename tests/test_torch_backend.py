@@ -213,6 +213,14 @@ dist.init_process_group("cpu:hpdl,cuda:hpdl")  # hpdl for both: one group, as as
 t = torch.ones(2)
 dist.all_reduce(t)
 say("both on hpdl", t.tolist(), type(dist.group.WORLD).__name__)
+try:  # a sub-group: torch asks only its members (here rank 0)
+    group = dist.new_group([0], backend=spec)
+    if dist.get_rank() == 0:
+        say("sub-group", type(group._get_backend(torch.device("cpu"))).__name__)
+except Exception as exc:
+    say(type(exc).__name__, str(exc)[:40])
+dist.barrier()
+say("after the sub-group")
 """
 
 
@@ -237,11 +245,14 @@ def test_hpdl_beside_another_backend_serves_its_devices_or_is_refused_not_droppe
         assert said.count("cpu tensors on hpdl [3.0, 3.0] 1") == 2, said  # one hpdl call per rank, summed
         assert said.count("ddp equal True True") == 2, said
         assert said.count("fsdp2 buffers from the pool True") == 2, said
+        assert said.count("sub-group HpdlBackend") == 1, said
     else:
         assert said.count("LaunchError init_process_group('cpu:hpdl,cuda:nccl')") == 2, said  # every rank refused
         assert "cuda:nccl would be ignored" in said and "dist.new_group(backend='hpdl')" in said, said
         assert "torch >= 2.14" in said and "initialized" not in said, said
+        assert said.count("LaunchError new_group('cpu:hpdl,cuda:nccl')") == 1, said  # rank 0's, rank 1 not asked
     assert said.count("both on hpdl [2.0, 2.0] HpdlProcessGroup") == 2, said
+    assert said.count("after the sub-group") == 2, said
 
 
 def test_a_torch_older_than_the_backend_is_named_not_failed(monkeypatch):

@@ -61,7 +61,7 @@ def requested_device_backends() -> dict[str, str]:
     return {}
 
 
-def beside_another_backend(devices: dict[str, str]) -> bool:
+def beside_another_backend(devices: dict[str, str], call: str = "init_process_group") -> bool:
     """Whether "hpdl" was asked for beside another backend ("cpu:hpdl,cuda:nccl"). From torch 2.14 hpdl then
     serves its devices as a `Backend` in torch's own group; before, a Python process group replaces torch's whole
     group, so the other backend would be dropped without a word: an error that says what to do instead."""
@@ -74,7 +74,7 @@ def beside_another_backend(devices: dict[str, str]) -> bool:
         return bool(others)
     spec = ",".join(f"{device}:{backend}" for device, backend in devices.items())
     raise LaunchError(
-        f"init_process_group({spec!r}): before torch 2.14 hpdl's process group replaces torch's whole group (torch "
+        f"{call}({spec!r}): before torch 2.14 hpdl's process group replaces torch's whole group (torch "
         f"{torch.__version__} lets a Python backend sit beside no other), so {', '.join(others)} would be "
         "ignored and those tensors would go through hpdl without a word. Use 'hpdl' alone (CUDA tensors then go "
         "through MPI: CUDA-aware or staged through the host), keep the other backend as the default group "
@@ -100,7 +100,7 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
     world = hpdl.init("mpi")
     ranks = [int(r) for r in backend_options.global_ranks_in_group]
     try:
-        beside = beside_another_backend(requested_device_backends())
+        beside = beside_another_backend(requested_device_backends(), "new_group" if ranks else "init_process_group")
     except LaunchError:
         # The default group's ranks all refuse, but not at the same moment: one that raised first and tried again
         # (as the message says) dropped the store of this attempt's rendezvous while a later rank was still
