@@ -241,14 +241,14 @@ def measure_model(name: str, options: Options, comm: Any) -> list[dict[str, Any]
     for i, schedule in enumerate(CONTENDERS):
         step_s = float(np.median(times[i])) / options.steps
         step_times = times[i] / options.steps  # each round's compute beside its own steps
-        idle = 1.0 - each_rank[:, i].mean(axis=0) / step_times
-        over_slowest = 1.0 - each_rank[:, i].max(axis=0) / step_times
+        slowest = each_rank[:, i].max(axis=0)
+        idle, over_slowest = 1.0 - each_rank[:, i].mean(axis=0) / step_times, 1.0 - slowest / step_times
         grid = pipes[i].schedule(options.chunks).bubble
         records.append({
             "model": name, "workload": w.describe, "contender": schedule, "ranks": comm.size, "batch": w.batch,
             "microbatches": options.chunks,
             "samples_per_s": report.summarize([w.batch * options.steps / t for t in times[i]]),
-            "step_ms": step_s * 1e3, "compute_only_ms": float(np.median(each_rank[:, i].max(axis=0))) * 1e3,
+            "step_ms": step_s * 1e3, "compute_only_ms": float(np.median(slowest)) * 1e3,
             "bubble_measured": float(np.median(idle)), "bubble_slowest_rank": float(np.median(over_slowest)),
             "bubble_busy": float(np.median(busy[i])),
             "bubble_grid": grid,

@@ -266,9 +266,8 @@ def backend_class() -> type:
             def getBackendName(self) -> str:
                 return "hpdl"
 
-            def supports_tensor_alloc(self, device: Any) -> bool:
-                index_only = isinstance(device, int)  # (torch's C++ side passes a device index)
-                return (index_only or torch.device(device).type == "cpu") and buffer_pool.pool.enabled
+            def supports_tensor_alloc(self, device: Any) -> bool:  # (torch's C++ side passes a device index)
+                return _CAPABILITIES.supports_tensor_alloc("cpu" if isinstance(device, int) else device)
 
             def allocate_tensor(self, size: int, *, dtype: torch.dtype, device: Any) -> torch.Tensor:
                 return _CAPABILITIES.allocate_tensor(size, dtype=dtype, device=device)
