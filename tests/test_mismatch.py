@@ -273,3 +273,96 @@ def test_broadcast_of_different_sizes_fails_the_receiver_at_once_and_the_check_n
     for message in (root_check, other_check):
         assert f"broadcast(float32, root=0) on {4 * n} B" in message, message
         assert f"broadcast(float32, root=0) on {8 * n} B" in message, message
+
+
+def wrong_turn(comm, scenario, prelude=False):
+    """One rank takes a wrong turn on a fresh sub-communicator (it stays broken; the world goes on): `skipped` (rank 1
+    skips an allreduce), `swapped` (rank 1 calls barrier, then allreduce) or `extra` (rank 1 calls an allgather
+    more). `prelude`: a matched allreduce first (it starts the shared-memory engine where that is forced). The
+    waits look at the peers after 0.2 s instead of 1 s (the same look, sooner: the test stays short).
+    (the number of the diverging collective, the error's type, its message, the shared-memory engine's status)"""
+    from hpdl.comm import work
+
+    sub = comm.split(0)
+    sub.timeout = 5.0
+    x = torch.ones(1000)
+    if prelude:
+        sub.allreduce(x)
+    at = sub._seq + 1 + (scenario == "extra")
+    saved = work.SPIN_SECONDS, work.WATCH_SECONDS
+    work.SPIN_SECONDS = work.WATCH_SECONDS = 0.2
+    other = comm.rank == 1
+    try:
+        if scenario == "skipped":
+            if not other:
+                sub.allreduce(x)
+            sub.barrier()
+        elif scenario == "swapped":
+            for call in (sub.barrier, lambda: sub.allreduce(x))[:: -1 if not other else 1]:
+                call()
+        else:
+            sub.allreduce(x)
+            if other:
+                sub.allgather(x, sizes=[x.numel()] * comm.size)
+            sub.barrier()
+        return at, "no error", "", getattr(sub, "shm_status", "")
+    except CommError as exc:
+        return at, type(exc).__name__, str(exc), getattr(sub, "shm_status", "")
+    finally:
+        work.SPIN_SECONDS, work.WATCH_SECONDS = saved
+
+
+WRONG_TURNS = {
+    "skipped": ("allreduce", "barrier"),
+    "swapped": ("allreduce", "barrier"),
+    "extra": ("barrier", "allgather"),
+}
+"""What rank 0 and rank 1 called as the diverging collective."""
+
+
+def _assert_true_story(results, scenario):
+    """Each rank names what each rank is in, says they called different collectives, and names nothing the user did
+    not call (the agreement check's allgather of 1536 B) nor claims every rank reached the collective."""
+    first, second = WRONG_TURNS[scenario]
+    for at, kind, message, _ in results:
+        assert kind == "CollectiveMismatchError", (kind, message)
+        assert f"rank 0 is in {first} #{at}; rank 1 is in {second} #{at}" in message, message
+        assert f"the ranks called different collectives as their collective #{at}" in message, message
+        assert "1536 B" not in message and "Every rank reached" not in message, message
+        assert "different sizes" not in message, message
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_a_wrong_turn_names_what_every_rank_called(ranks, backend):
+    """Skipped, swapped and extra collectives, debug off: both ranks say what each called, within a look at the
+    progress board (before: on mpi, an allgather of 1536 B, the agreement check's exchange of rings, that had met
+    the other rank's allreduce; on torch, after the whole timeout, "Every rank reached this collective")."""
+    pool = ranks(backend, 2)
+    started = __import__("time").perf_counter()
+    for scenario in WRONG_TURNS:
+        _assert_true_story(pool.run(wrong_turn, scenario, timeout=60), scenario)
+    assert __import__("time").perf_counter() - started < 15  # well within the 5 s timeout each
+
+
+def test_a_wrong_turn_on_the_shared_memory_engine_names_what_every_rank_called(ranks):
+    pool = ranks("mpi", 2, SHM_FORCED)
+    for scenario in WRONG_TURNS:
+        results = pool.run(wrong_turn, scenario, True, timeout=60)
+        _assert_true_story(results, scenario)
+        assert all(status.startswith("on") for *_, status in results), results
+    assert pool.run(still_healthy) == [[2.0, 2.0]] * 2
+
+
+def test_the_progress_report_says_every_rank_reached_a_collective_only_when_it_did():
+    from hpdl.comm.progress import describe_laggards
+
+    same, _ = describe_laggards([(3, "allreduce"), (3, "allreduce")], 0, 3, "allreduce")
+    assert "Every rank reached this collective" in same, same
+    differ, missing = describe_laggards([(3, "allreduce"), (3, "barrier")], 0, 3, "allreduce")
+    assert differ.startswith("rank 0 is in allreduce #3; rank 1 is in barrier #3: the ranks called different"), differ
+    assert "Every rank reached" not in differ and missing == []
+    behind, missing = describe_laggards([(3, "allreduce"), (2, "barrier"), None], 0, 3, "allreduce")
+    assert "Did not arrive: rank 1" in behind and "Did not arrive: rank 2 (no progress report" in behind, behind
+    assert missing == [1, 2]
+    ahead, _ = describe_laggards([(3, "allreduce"), (4, "allreduce")], 0, 3, "allreduce")
+    assert "Rank 1 went past #3 without this rank" in ahead and "Every rank reached" not in ahead, ahead

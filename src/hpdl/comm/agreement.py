@@ -17,6 +17,11 @@ nothing instead:
   `CollectiveMismatchError` on every rank, naming the first collective on
   which they disagree, each rank's call and bytes.
 
+The vote and the exchange go through the communicator's `_vote` and
+`_vote_gather`, which on mpi meet on a communicator of their own: a rank in
+the check never takes a peer's user collective for its vote (the ranks wait,
+and the progress board names what each called: base.Communicator._check_peers).
+
 A mismatch is therefore reported before the data of the collective that
 completes the `every`-th call moves, and the wrong values of at most
 `every - 1` earlier calls can have reached the caller. `every=1` checks
@@ -26,7 +31,7 @@ before each call; 0 switches the check off.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Optional, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -45,7 +50,7 @@ class Agreeing(Protocol):
 
     def _vote(self, vote: torch.Tensor, seq: int) -> None: ...
 
-    def _allgather(self, t: torch.Tensor, sizes: list[int], seq: int, out: Optional[torch.Tensor] = None) -> Any: ...
+    def _vote_gather(self, t: torch.Tensor, seq: int) -> torch.Tensor: ...
 
 
 __all__: list[str] = []
@@ -156,7 +161,7 @@ def mismatch_error(comm: Agreeing, seq: int) -> CollectiveMismatchError:
     ledger = comm._ledger
     width = _LINE * len(ledger.ring)
     mine = np.frombuffer(ledger.lines(seq).ljust(width, b"\0"), dtype=np.uint8).copy()
-    table = comm._allgather(torch.from_numpy(mine), [width] * comm.size, seq).wait().numpy().tobytes()
+    table = comm._vote_gather(torch.from_numpy(mine), seq).numpy().tobytes()
     rings: list[dict[int, str]] = []
     for rank in range(comm.size):
         block = table[rank * width : (rank + 1) * width]

@@ -20,7 +20,7 @@ import torch
 
 from hpdl.comm import agreement, fingerprint, fusion
 from hpdl.comm.env import env_flag, env_number
-from hpdl.comm.progress import ProgressBoard, describe_laggards
+from hpdl.comm.progress import ProgressBoard, State, describe_laggards, different_collectives, mismatched, positions
 from hpdl.comm.tensors import (
     ArrayLike,
     as_tensor,
@@ -509,7 +509,8 @@ class Communicator(ABC):
         except Exception as exc:  # the report must not hide the timeout itself
             states = None
             print(f"hpdl: could not read other ranks' progress: {exc}", file=sys.stderr)
-        detail, missing = describe_laggards(states, self.rank, seq)
+        op = own_op(states, self.rank, seq, op)  # (what the caller called: not a wait inside it, such as the check's)
+        detail, missing = describe_laggards(states, self.rank, seq, op)
         message = (
             f"{op} #{seq} did not complete within {waited:.1f} s on rank {self.rank} of {self.size} "
             f"({self.backend}). {detail} Every rank must call the same collectives in the same order: "
@@ -530,6 +531,7 @@ class Communicator(ABC):
         if self.size == 1:
             return
         states = self._board().read(min(1.0, self.timeout))
+        op = own_op(states, self.rank, seq, op)
         if self._finalizing:
             strays = [
                 f"rank {r} waits in {state[1]} #{state[0]}"
@@ -565,14 +567,32 @@ class Communicator(ABC):
                 "calling it. Every rank must call the same collectives in the same order: run with HPDL_DEBUG=1 to "
                 "compare call sites."
             )
+        if op and mismatched(states, self.rank, seq, op):  # a peer called something else as this number: it never comes
+            self._broken = True
+            raise self._mismatch_error(op, seq, states)
+
+    def _mismatch_error(self, op: str, seq: int, states: list[State]) -> CollectiveMismatchError:
+        """The error of a collective that a peer's progress post shows it called as something else."""
+        states = list(states)
+        states[self.rank] = (seq, op)
+        return CollectiveMismatchError(
+            f"{op} #{seq} on rank {self.rank} of {self.size} ({self.backend}) cannot complete: "
+            f"{positions(states)}: {different_collectives(seq)}. Every rank must call the same collectives in the "
+            "same order: run with HPDL_DEBUG=1 to compare call sites."
+        )
 
     def _engine_error(self, op: str, seq: int, exc: Exception) -> Exception:
         """What to raise when the engine itself fails while `op` completes: `exc`, or a backend's clearer error."""
         return exc
 
     def _vote(self, vote: torch.Tensor, seq: int) -> None:
-        """The agreement check's 16-byte MAX allreduce (agreement.check; a backend may have a shorter one)."""
+        """The agreement check's 16-byte MAX allreduce (agreement.check; a backend may have a shorter one, or one on
+        a channel of its own, which no user collective can match)."""
         self._allreduce(vote, "max", seq).wait()
+
+    def _vote_gather(self, t: torch.Tensor, seq: int) -> torch.Tensor:
+        """The agreement check's exchange of the ranks' rings (uint8, one block per rank), on `_vote`'s channel."""
+        return self._allgather(t, [t.numel()] * self.size, seq).wait()
 
     def _trace_op(self, op: str, started: float) -> None:
         if self.tracer is not None:
@@ -628,6 +648,15 @@ class Communicator(ABC):
 
 
 _PLAIN_TENSOR = frozenset({torch.Tensor})
+
+
+def own_op(states: Optional[list[State]], rank: int, seq: int, op: str) -> str:
+    """What this rank called as collective `seq`: its own progress post (a wait inside the call, such as the
+    agreement check's vote, may be named after its engine operation), else `op` as the wait names it."""
+    own = states[rank] if states is not None and 0 <= rank < len(states) else None
+    if own is not None and own[0] == seq and own[1] not in ("", "left"):
+        return own[1]
+    return op.split(" (")[0]
 
 
 def is_block_of(t: torch.Tensor, out: torch.Tensor, rows_before: int) -> bool:

@@ -57,29 +57,81 @@ class LocalBoard(ProgressBoard):
         return [self.state]
 
 
-def describe_laggards(states: Optional[list[State]], rank: int, seq: int) -> tuple[str, list[int]]:
-    """A sentence naming the ranks that did not reach collective `seq`, and their ranks."""
+def describe_laggards(states: Optional[list[State]], rank: int, seq: int, op: str = "") -> tuple[str, list[int]]:
+    """Where every rank is, and what that says, for a wait in collective `seq` (`op`) that did not complete: a
+    sentence, and the ranks that did not arrive at it. Only collectives the ranks' users called are named (the
+    board holds nothing else), and "every rank reached this collective" only where every rank is in the same op
+    under the same number."""
     if states is None:
         return "The other ranks' progress could not be read.", []
-    behind, silent, ahead = [], [], []
+    states = list(states)
+    own = states[rank]
+    if not op and own is not None and own[0] == seq:  # (the caller did not say: its own post does)
+        op = own[1]
+    states[rank] = (seq, op)
+    behind, silent, ahead, differ = [], [], [], []
     for other, state in enumerate(states):
         if other == rank:
             continue
         if state is None:
             silent.append(other)
         elif state[0] < seq:
-            behind.append(f"rank {other} (last entered #{state[0]} {state[1] or '(none)'})")
+            behind.append(other)
         elif state[0] > seq:
-            ahead.append(f"rank {other} (already at #{state[0]} {state[1]})")
-    missing = [int(text.split()[1]) for text in behind] + silent
-    parts = []
+            ahead.append(other)
+        elif state[1] != op:
+            differ.append(other)
+    parts = [positions(states) + ("." if not differ else f": {different_collectives(seq)}.")]
     if behind:
-        parts.append("Did not arrive: " + ", ".join(behind) + ".")
+        parts.append(f"Did not arrive: {_ranks(behind)} (still in an earlier collective, or busy outside hpdl).")
     if silent:
-        names = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(map(str, silent))
-        parts.append(f"Did not arrive: {names} (no progress report: busy outside hpdl, or gone).")
-    if ahead:
-        parts.append("Ahead of this rank: " + ", ".join(ahead) + " (this rank may have skipped a collective).")
-    if not parts:
+        parts.append(f"Did not arrive: {_ranks(silent)} (no progress report: busy outside hpdl, or gone).")
+    if ahead and not (behind or silent or differ):
+        parts.append(
+            f"{_ranks(ahead).capitalize()} went past #{seq} without this rank: the ranks called different "
+            f"collectives, or different numbers of them, at or before #{seq}."
+        )
+    if not (behind or silent or ahead or differ):
         parts.append("Every rank reached this collective; the engine itself did not complete it.")
-    return " ".join(parts), missing
+    return " ".join(parts), behind + silent
+
+
+def mismatched(states: Optional[list[State]], rank: int, seq: int, op: str) -> list[int]:
+    """The ranks whose post says they called a different collective than `op` as their #`seq`: proof of a mismatch,
+    whenever it was posted (a rank posts each number once, with the op it called). "finalize" and "left" are the
+    callers' own business (a rank that finished is not a different collective)."""
+    if states is None:
+        return []
+    return [
+        other
+        for other, state in enumerate(states)
+        if other != rank and state is not None and state[0] == seq and state[1] not in (op, "", "finalize", "left")
+    ]
+
+
+def different_collectives(seq: int) -> str:
+    return f"the ranks called different collectives as their collective #{seq}"
+
+
+def positions(states: list[State]) -> str:
+    """Where each rank is, ranks in the same place together: `rank 0 is in allreduce #3; rank 1 is in barrier #3`."""
+    places: dict[State, list[int]] = {}
+    for other, state in enumerate(states):
+        places.setdefault(state, []).append(other)
+    said = []
+    for state, ranks in places.items():
+        who = _ranks(ranks)
+        verb = "is" if len(ranks) == 1 else "are"
+        if state is None:
+            said.append(f"{who} gave no progress report")
+        elif not state[1]:
+            said.append(f"{who} {'has' if len(ranks) == 1 else 'have'} called no collective yet")
+        elif state[1] == "left":
+            said.append(f"{who} left after an error in #{state[0]}")
+        else:
+            said.append(f"{who} {verb} in {state[1]} #{state[0]}")
+    return "; ".join(said)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

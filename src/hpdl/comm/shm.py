@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from hpdl.comm import fusion
+from hpdl.comm import fusion, work
 from hpdl.comm.env import env_flag, env_number
 from hpdl.errors import CollectiveMismatchError, CommTimeoutError
 
@@ -266,6 +266,8 @@ class NodeCollectives:
         describe: Callable[[], str],
         broken: Callable[[], None] = lambda: None,
         segment: Optional[int] = None,
+        watch: Callable[[], None] = lambda: None,
+        positions: Callable[[], str] = lambda: "",
     ):
         from mpi4py import MPI
 
@@ -278,6 +280,11 @@ class NodeCollectives:
         self._timeout = timeout
         self._describe = describe
         self._broken = broken
+        self._watch = watch
+        """Called about once a second while a meeting waits: raises when a peer can never come (the owning
+        communicator's progress board shows it in another collective, or finished)."""
+        self._positions = positions
+        """Where every rank of the communicator is, in words, from its progress board ("" when unknown)."""
         self.segment = segment if segment is not None else segment_bytes()
         """Staging bytes per rank (HPDL_SHM_MB, or less where SHM_DIR is small: `fitting_segment`)."""
         self.short_of_memory = ""
@@ -315,7 +322,7 @@ class NodeCollectives:
             self._flags[self.local_rank].fill_(mark)
         self._flag_win.Sync()
         flags = self._flags
-        deadline = 0.0
+        deadline = next_watch = 0.0
         spins = 0
         while True:
             if all(int(flag) >= mark for flag in flags):
@@ -327,8 +334,16 @@ class NodeCollectives:
                 now = time.perf_counter()
                 if deadline == 0.0:
                     deadline = now + self._timeout()
+                    next_watch = now + work.WATCH_SECONDS
                 elif now > deadline:
                     self._raise_timeout(what, mark)
+                elif now > next_watch:  # a straggler, or a peer in another collective: the board says which
+                    next_watch = now + work.WATCH_SECONDS
+                    try:
+                        self._watch()
+                    except BaseException:
+                        self._broken()
+                        raise
                 if spins > 100_000:
                     time.sleep(0.0002)  # a straggler, not a transfer: stop burning the core
             self._flag_win.Sync()
@@ -338,11 +353,15 @@ class NodeCollectives:
         self._broken()  # the other ranks may be anywhere: finalize must not wait on them
         missing = [self.ranks[i] for i, flag in enumerate(self._flags) if int(flag) < mark]
         names = ", ".join(str(r) for r in missing)
+        try:
+            where = self._positions()
+        except Exception:  # the report must not hide the timeout itself
+            where = ""
         raise CommTimeoutError(
             f"{what} (shared memory) did not complete within {self._timeout():.1f} s on rank "
             f"{self.ranks[self.local_rank]} ({self._describe()}): rank(s) {names} of this node did not reach "
-            "the same phase. Every rank must call the same collectives in the same order; a rank that died "
-            "or is stuck elsewhere is the usual cause.",
+            f"the same phase. {where + ' ' if where else ''}Every rank must call the same collectives in the same "
+            "order; a rank that died or is stuck elsewhere is the usual cause.",
             op=what,
             missing=tuple(missing),
         )
