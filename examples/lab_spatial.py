@@ -3,10 +3,15 @@
     hpdl launch -n 2 examples/lab_spatial.py           (or -n 3, 4; --steps 20)
 
 The photograph is scikit-learn's bundled `china.jpg` (427 x 640); the
-network labels every pixel as edge / not edge (a Sobel edge map is the
-target). Each rank holds a horizontal slab of the image and of every
-activation; convolutions exchange halo rows with the neighbours. Each part
-prints what every rank holds and checks the claim it makes.
+network labels every pixel as changing / flat: the target is the Sobel
+gradient magnitude above its median (edges and texture against smooth
+regions such as the sky), a label that depends on each pixel's neighbours,
+so the convolutions need their halos. Half of the pixels are of each kind,
+so answering one class everywhere scores 0.5; the trained network must beat
+that clearly (it reaches about 0.89 in 10 steps). Each rank holds a
+horizontal slab of the image and of every activation; convolutions exchange
+halo rows with the neighbours. Each part prints what every rank holds and
+checks the claim it makes (a claim that fails ends the lab with an error).
 """
 
 import argparse
@@ -30,14 +35,17 @@ def show(comm, title: str, line: str) -> None:
 
 
 def photo_and_edges(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The photograph (1, 3, H, W) in [0, 1] and its edge map (1, H, W): Sobel magnitude above its 80th percentile."""
+    """The photograph (1, 3, H, W) in [0, 1] and its change map (1, H, W): Sobel magnitude above its median.
+
+    (With the 80th percentile instead, the strongest edges only, this small network stays at 0.80-0.81 pixel
+    accuracy for 10 to 60 steps: no better than the all-background answer's 0.80.)"""
     image = torch.tensor(load_sample_image("china.jpg"), dtype=dtype).permute(2, 0, 1).unsqueeze(0) / 255.0
     gray = image.mean(1, keepdim=True)
     sobel = torch.tensor([[1.0, 0.0, -1.0], [2.0, 0.0, -2.0], [1.0, 0.0, -1.0]], dtype=dtype)
     gx = F.conv2d(gray, sobel.view(1, 1, 3, 3), padding=1)
     gy = F.conv2d(gray, sobel.t().reshape(1, 1, 3, 3), padding=1)
     magnitude = (gx**2 + gy**2).sqrt()[:, 0]
-    return image, (magnitude > magnitude.quantile(0.8)).long()
+    return image, (magnitude > magnitude.median()).long()
 
 
 def segmenter(dtype: torch.dtype) -> nn.Sequential:
@@ -75,9 +83,12 @@ def main() -> None:
     comm = hpdl.init()
     one = hpdl.init("self")
 
-    # 1. Equivalence on a crop, in float64: P ranks train exactly like one process on the whole crop.
+    # 1. Equivalence on a crop, in float64: P ranks train exactly like one process on the whole crop. The crop
+    # has an odd number of rows (uneven slabs) and at most 60, so that the drawing below gives each row a
+    # character of its own (a taller input is drawn scaled, several rows a character).
     image, edges = photo_and_edges(torch.float64)
-    crop, crop_edges = image[:, :, :61, :48], edges[:, :61, :48]
+    CROP = 59
+    crop, crop_edges = image[:, :, :CROP, :48], edges[:, :CROP, :48]
     model = SpatialParallel(segmenter(torch.float64), comm, dim=2)
     losses = train(model, shard(crop, comm, 2), shard(crop_edges, comm, 1), comm, 5, crop_edges.numel())
     reference = segmenter(torch.float64)
@@ -85,12 +96,16 @@ def main() -> None:
     diff = max(
         (a - b).abs().max().item() for a, b in zip(model.module.state_dict().values(), reference.state_dict().values())
     )
-    rows = even_split(61, comm.size)[comm.rank]
-    show(comm, "61 x 48 crop, float64, 5 Adam steps: spatial vs one process",
-         f"rows {rows[0]}-{rows[1] - 1}; losses {losses[-1]:.6f} vs {want[-1]:.6f}; largest weight difference "
-         f"{diff:.1e} (same: {diff < 1e-10})")  # fmt: skip
+    rows = even_split(CROP, comm.size)[comm.rank]
+    show(comm, f"{CROP} x 48 crop, float64, 5 Adam steps: spatial vs one process",
+         f"rows {rows[0]}-{rows[1] - 1} ({rows[1] - rows[0]} rows); losses {losses[-1]:.6f} vs {want[-1]:.6f}; "
+         f"largest weight difference {diff:.1e} (same: {diff < 1e-10})")  # fmt: skip
+    assert diff < 1e-10, f"rank {comm.rank}: the spatial model's weights differ from one process's by {diff:.1e}"
     if comm.rank == 0:
-        print("\n== the slabs and halos of the crop, drawn from the model's own plan\n" + model.describe(61))
+        print(
+            "\n== the slabs and halos of the crop, drawn from the model's own plan (one character per row)\n"
+            + model.describe(CROP)
+        )
 
     # 2. The whole photograph in float32: each rank keeps about 1/P of the activations.
     image32, edges32 = image.float(), edges
@@ -109,6 +124,7 @@ def main() -> None:
     show(comm, f"the whole {H} x {image32.shape[3]} photograph: activations saved for backward",
          f"{meter.peak / 1e6:.1f} MB here, one process {whole_peak / 1e6:.1f} MB; a budget of "
          f"{budget / 1e6:.1f} MB (0.6 x one process) holds it: {meter.peak <= budget}")  # fmt: skip
+    assert meter.peak <= budget, f"rank {comm.rank}: {meter.peak} bytes of activations, over the budget {budget}"
 
     # 3. Train on the whole photograph, spatially: the loss falls.
     losses = train(model, local_image, local_edges, comm, args.steps, edges32.numel())
@@ -116,9 +132,16 @@ def main() -> None:
         predicted = gather(model(local_image).argmax(1, keepdim=True), comm, 2)[:, 0]
     accuracy = float((predicted == edges32).double().mean())
     baseline = 1.0 - float(edges32.double().mean())
+    beats = accuracy >= baseline + 0.1  # clearly: by 10 points at least
     show(comm, f"{args.steps} Adam steps on the whole photograph",
          f"loss {losses[0]:.4f} -> {losses[-1]:.4f} (falls: {losses[-1] < losses[0]}); pixel accuracy "
-         f"{accuracy:.3f} (all-background: {baseline:.3f})")  # fmt: skip
+         f"{accuracy:.3f} (all-background: {baseline:.3f}; beats it by 0.1 or more: {beats})")  # fmt: skip
+    if not (beats and losses[-1] < losses[0]):
+        raise SystemExit(
+            f"lab_spatial: after {args.steps} steps the network does not beat the all-background answer clearly "
+            f"(pixel accuracy {accuracy:.3f}, all-background {baseline:.3f}; loss {losses[0]:.4f} -> "
+            f"{losses[-1]:.4f}); try more --steps"
+        )
     hpdl.finalize()
 
 

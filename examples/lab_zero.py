@@ -1,6 +1,6 @@
 """Lab: train a model that does not fit one rank's memory budget with ZeRO stage 3, then reshard its checkpoint.
 
-    hpdl launch -n 2 examples/lab_zero.py [--budget-mb 16] [--epochs 4] [--out ckpt-lab-zero]
+    hpdl launch -n 2 examples/lab_zero.py [--budget-mb 16] [--epochs 4] [--out DIR]
 
 The budget is the memory one rank may spend on model state (parameters,
 gradients, optimizer state). The model (64-1024-1024-10 on scikit-learn's
@@ -15,12 +15,17 @@ holds on this run (and stops with an error if not):
 4. the sharded checkpoint loads into stage 1 on the same ranks and into one
    plain process (a different rank count and strategy, no conversion) and
    gives the same predictions; the consolidated export does too.
+
+The checkpoint goes to a temporary folder, removed at the end (--out DIR:
+to DIR instead, kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 
 import torch
 from sklearn.datasets import load_digits
@@ -58,9 +63,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-mb", type=float, default=16.0, help="model-state memory per rank (MB)")
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--out", default="ckpt-lab-zero", help="checkpoint folder")
+    parser.add_argument("--out", help="checkpoint folder, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     comm = hpdl.init()
+    keep = args.out is not None
+    if not keep:  # one folder for every rank: rank 0 makes it
+        args.out = comm.broadcast_object(tempfile.mkdtemp(prefix="hpdl-lab-zero-") if comm.rank == 0 else None)
     budget = args.budget_mb * 1e6
     numel = sum(p.numel() for p in build().parameters())
     largest_units = 4 * ((64 + 1) * 1024 + (1024 + 1) * 1024)  # in backward: a unit and its prefetched neighbour
@@ -123,6 +131,8 @@ def main() -> None:
         )
         check(same_plain and same_export, "one process predicts as stage 3 did")
     comm.barrier()
+    if comm.rank == 0 and not keep:
+        shutil.rmtree(args.out)
     hpdl.finalize()
 
 

@@ -5,7 +5,8 @@
 Each example runs as `__main__` with its own argv and its folder first on sys.path, and initialises and
 finalizes hpdl itself; its standard output goes to OUT_DIR/NAME.RANK.out. tests/test_examples.py launches
 this once, so that the examples share the ranks' start-up (importing torch, MPI_Init: about 5 CPU-s per rank
-and launch) instead of paying it once each. An example that raises ends the job, as under `hpdl launch`.
+and launch) instead of paying it once each. An example that raises ends the job, as under `hpdl launch`; one
+that ends with `sys.exit(0)` (the demo's worker, src/hpdl/train/demo.py, runs here too) has succeeded.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def main() -> None:
             sys.path.insert(0, os.path.dirname(script))
             try:
                 runpy.run_path(script, run_name="__main__")
+            except SystemExit as stop:  # `sys.exit(0)` at the end of a script (hpdl.train.demo's) is success
+                if stop.code not in (None, 0):
+                    raise
             finally:
                 sys.path.pop(0)
                 sys.stdout.flush()

@@ -11,6 +11,7 @@ first use.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from typing import Any, Optional, Sequence
@@ -39,8 +40,23 @@ class ShardReader:
     def info(self, name: str) -> dict[str, Any]:
         entry = self.metadata["tensors"].get(name)
         if entry is None:
-            raise CheckpointError(f"sharded checkpoint {self.folder} holds no tensor {name!r}")
+            raise CheckpointError(f"sharded checkpoint {self.folder} holds no tensor {name!r}; {self._holds(name)}")
         return entry
+
+    def _holds(self, name: str, shown: int = 8) -> str:
+        """What the checkpoint holds, for an error about `name`: every name when there are few, else the nearest."""
+        names = self.names
+        if not names:
+            return "it holds no tensors"
+        if len(names) <= shown:
+            return f"it holds {', '.join(names)}"
+
+        def score(held: str) -> float:  # a bare name ('fc.weight') is compared with the model's names unprefixed
+            bare = held.removeprefix("model/")
+            return max(difflib.SequenceMatcher(None, name, n).ratio() for n in (held, bare))
+
+        nearest = sorted(names, key=score, reverse=True)[:5]
+        return f"it holds {len(names)} tensors, the nearest: {', '.join(nearest)} (all: ShardReader(folder).names)"
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.info(name)["shape"])

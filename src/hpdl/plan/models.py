@@ -169,7 +169,7 @@ def transformer_profile(shape: TransformerShape, name: str = "transformer", act_
         layers=(embedding, *blocks, head),
         act_dtype_bytes=e,
         sample=f"a sequence of {s} tokens",
-        source=f"analytic: {shape.source or name} (h={h}, layers={shape.layers}, heads={a}, f={f}, V={v}, s={s})",
+        source=f"analytic: {shape.source or name} (h={h}, blocks={shape.layers}, heads={a}, f={f}, V={v}, s={s})",
     )
 
 

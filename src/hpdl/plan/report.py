@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hpdl.plan.cost import Estimate
 from hpdl.plan.memory import bubble_fraction, model_states
+from hpdl.plan.profile import ModelProfile
 from hpdl.plan.ranking import SearchResult
 
 __all__ = [
@@ -78,12 +79,25 @@ def describe(e: Estimate) -> str:
     return text
 
 
+def _layer_count(profile: ModelProfile) -> str:
+    """How many layers the profile has (the units that pipeline stages are cut between), and of which kinds when
+    some repeat: `14 layers to place in stages: embedding + 12 x block + head` (a GPT-2 of 12 blocks)."""
+    kinds: dict[str, int] = {}
+    for layer in profile.layers:
+        kind = layer.name.split(".")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    text = f"{len(profile.layers)} layers to place in stages"
+    if len(kinds) < len(profile.layers):
+        text += ": " + " + ".join(kind if n == 1 else f"{n} x {kind}" for kind, n in kinds.items())
+    return text
+
+
 def header(result: SearchResult) -> str:
     p, cl, wl = result.profile, result.cluster, result.workload
     return "\n".join(
         [
             f"model    {p.name}: {p.params / 1e6:,.1f} M parameters, {p.flops / 1e9:,.3g} GFLOP forward per "
-            f"{p.sample} ({len(p.layers)} layers; {p.source})",
+            f"{p.sample} ({_layer_count(p)}; {p.source})",
             f"cluster  {cl.name}: {result.devices} of {cl.nodes} x {cl.devices_per_node} devices, "
             f"{cl.memory_bytes / 1e9:g} GB each; {cl.source or 'no source given'}",
             f"workload global batch {wl.batch}, {wl.precision} precision, {wl.optimizer}, {wl.bucket_mb:g} MB buckets",
