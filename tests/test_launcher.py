@@ -34,8 +34,101 @@ def launch(*args: str, env: dict | None = None, timeout: float = 150) -> tuple[i
     )
     ended = time.time()
     output = done.stdout + done.stderr
+    assert_no_segment_left(output)
     starts = [float(m) for m in re.findall(r" started at (\d+\.\d+)", output)]
     return done.returncode, output, ended - min(starts, default=ended)
+
+
+def line_of(text: str, after: str = "") -> int:
+    """The number of job.py's first line holding `text` (after the first line holding `after`)."""
+    lines = open(JOB).read().splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line)
+    return next(i + 1 for i, line in enumerate(lines) if i >= start and text in line)
+
+
+def assert_no_segment_left(output: str) -> None:
+    """However the job ended, the shared-memory files of its MPI node segment are gone (job.py names them)."""
+    for prefix in re.findall(r"^segment (\S+)$", output, re.MULTILINE):
+        left = [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+        assert not left, (left, output)
+
+
+FAILURE_NOISE = ("Abort(", "Exception ignored", "KeyboardInterrupt", "Return code", "run_rank.py", "<frozen runpy>")
+"""What a failing job's output under `hpdl launch` used to hold beside its one traceback."""
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_a_failing_four_rank_job_prints_one_traceback_and_one_line_for_each_other_rank(backend):
+    code, output, elapsed = launch("-n", "4", "--backend", backend, JOB, "fail4")
+    assert code == 1, output
+    report = [line for line in output.splitlines() if not re.match(r"(rank \d of 4 on|segment )", line)]
+    first = "hpdl: rank 2 failed: ValueError: bad batch on rank 2"
+    raised = line_of('raise ValueError(f"bad batch')
+    assert report[:3] == [first, "Traceback (most recent call last):", f'  File "{JOB}", line {raised}, in <module>'], (
+        output
+    )
+    waits = f"({line_of('comm.barrier()', after='fail4')}|{line_of('time.sleep(0.05)', after='fail4')})"
+    stopped = [line for line in report if line.startswith("hpdl: rank ") and line != first]
+    assert sorted(re.sub(r"job\.py:\d+ ", "job.py:N ", line) for line in stopped) == [
+        f"hpdl: rank {rank} stopped at {JOB}:N in <module>: rank 2: ValueError: bad batch on rank 2"
+        for rank in (0, 1, 3)
+    ], output
+    assert all(re.search(f"job\\.py:{waits} in", line) for line in stopped), output
+    assert report[3:5] == [
+        '    raise ValueError(f"bad batch on rank {comm.rank}")',
+        "ValueError: bad batch on rank 2",
+    ], output
+    assert len(report) == 5 + 3, output  # the header, the traceback (4 lines), one line for each other rank
+    assert not [noise for noise in FAILURE_NOISE if noise in output], output
+    assert elapsed < 40, output
+
+
+def test_a_rank_killed_from_outside_is_named_and_the_others_say_where_they_stopped():
+    code, output, _ = launch("-n", "2", JOB, "killed")
+    assert code == 128 + signal.SIGKILL, output
+    assert "hpdl launch: rank 1 was killed by SIGKILL" in output, output
+    where = rf"at {re.escape(JOB)}:\d+ in <module>"
+    assert re.search(rf"hpdl: rank 0 stopped by the launcher {where}: another rank ended without a report", output), (
+        output
+    )
+    assert not [noise for noise in FAILURE_NOISE if noise in output], output
+
+
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM])
+def test_a_launcher_stopped_by_a_signal_stops_every_rank_and_leaves_no_shared_memory(sent):
+    job = subprocess.Popen(
+        HPDL + ["launch", "-n", "2", JOB, "sleep"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert job.stdout is not None
+    lines = []
+    for line in job.stdout:  # until both ranks are in the script
+        lines.append(line)
+        if sum("sleeping" in seen for seen in lines) == 2:
+            break
+    job.send_signal(sent)
+    output = "".join(lines) + job.stdout.read()
+    assert job.wait(timeout=60) == 130, output
+    assert "hpdl launch: interrupted; stopping every rank" in output, output
+    for rank in (0, 1):
+        sleeping = f"({line_of('time.sleep(60)') - 1}|{line_of('time.sleep(60)')})"  # its print, or its sleep
+        assert re.search(rf"hpdl: rank {rank} interrupted at {re.escape(JOB)}:{sleeping} in <module>", output), output
+    assert not [noise for noise in FAILURE_NOISE if noise in output], output
+    assert_no_segment_left(output)
+
+
+def test_a_bad_setting_is_one_line_before_any_rank_starts():
+    done = subprocess.run(
+        HPDL + ["launch", "-n", "2", JOB, "ok"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, HPDL_TIMEOUT="abc"),
+    )
+    assert done.returncode == 2, done
+    assert done.stdout == "" and done.stderr == "hpdl launch: HPDL_TIMEOUT='abc' must be a number of seconds\n", done
 
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
@@ -73,7 +166,9 @@ def test_exception_on_one_rank_stops_the_job_with_one_traceback(backend):
     code, output, elapsed = launch("-n", "2", "--backend", backend, JOB, "raise")
     assert code != 0, output
     assert output.count("Traceback (most recent call last)") == 1, output
-    assert output.count("RuntimeError: boom on the last rank") == 1, output
+    assert output.count("\nRuntimeError: boom on the last rank") == 1, output  # the traceback's last line
+    waits = line_of("comm.allreduce(x)  # the others wait here")
+    assert f"hpdl: rank 0 stopped at {JOB}:{waits} in <module>: rank 1: RuntimeError: boom on the last rank" in output
     assert elapsed < 30, output
 
 

@@ -12,6 +12,10 @@ import hpdl
 mode = sys.argv[1]
 comm = hpdl.init(timeout=float(os.environ.get("JOB_TIMEOUT", "60")))
 print(f"rank {comm.rank} of {comm.size} on {comm.backend} started at {time.time():.3f}", flush=True)
+if comm.backend == "mpi" and comm.rank == 0:  # its node segment's name, which MPICH takes from its launcher's pid
+    from hpdl.runtime.spawn import forker_segment_prefix
+
+    print(f"segment {forker_segment_prefix(os.getppid())}", flush=True)
 x = torch.ones(4) * (comm.rank + 1)
 comm.allreduce(x)
 if mode == "ok":
@@ -28,6 +32,21 @@ elif mode == "exit3":
     if comm.rank == 0:
         sys.exit(3)
     time.sleep(30)  # must be stopped by the launcher
+elif mode == "fail4":  # one rank fails in the user's code, the others wait in collectives and are stopped
+    if comm.rank == 2:
+        raise ValueError(f"bad batch on rank {comm.rank}")
+    while True:
+        comm.barrier()
+        time.sleep(0.05)
+elif mode == "killed":  # a rank killed from outside (the OOM killer, kill -9): it cannot say why itself
+    if comm.rank == 1:
+        os.kill(os.getpid(), 9)
+    while True:
+        comm.barrier()
+        time.sleep(0.05)
+elif mode == "sleep":
+    print(f"rank {comm.rank} sleeping", flush=True)
+    time.sleep(60)
 elif mode == "die":
     if comm.rank == comm.size - 1:
         os._exit(9)  # dies without a word, mid-job

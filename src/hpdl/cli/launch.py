@@ -16,8 +16,9 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+from hpdl.comm.env import env_number
 from hpdl.runtime import spawn
 
 __all__ = ["add_parser", "parse", "run_argv"]
@@ -127,6 +128,28 @@ def parse(argv: list[str]) -> Command:
     return Command(options, program, python_options)
 
 
+STARTUP_NUMBERS: tuple[tuple[str, Callable[[str], float], str, bool], ...] = (
+    ("HPDL_TIMEOUT", float, "a number of seconds", False),
+    ("HPDL_CHECK_EVERY", int, "a number of collectives (0: off)", True),
+    ("HPDL_FUSION_MB", float, "a number of megabytes", False),
+    ("HPDL_SHM_MB", float, "a number of megabytes", False),
+    ("HPDL_SHM_PIECE_MB", float, "a number of megabytes", False),
+    ("HPDL_PAIR_BYTES", int, "bytes (0: never)", True),
+    ("HPDL_RANKS_PER_NODE", int, "a positive int", False),
+)
+"""The numeric settings every rank reads as it starts, as their readers parse them (hpdl.comm.env.env_number)."""
+
+
+def bad_setting() -> Optional[str]:
+    """The first bad value among STARTUP_NUMBERS, said once here instead of as a traceback on every rank."""
+    for name, kind, what, allow_zero in STARTUP_NUMBERS:
+        try:
+            env_number(name, 0.0, kind, what, allow_zero=allow_zero)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
 def run_argv(argv: list[str]) -> int:
     try:
         command = parse(argv)
@@ -134,6 +157,10 @@ def run_argv(argv: list[str]) -> int:
         print(f"hpdl launch: {error}", file=sys.stderr)
         return 2
     options = command.options
+    problem = bad_setting()
+    if problem:
+        print(f"hpdl launch: {problem}", file=sys.stderr)
+        return 2
     env = spawn.job_environment(options.backend, options.nprocs)
     if options.timeout is not None:
         env["HPDL_TIMEOUT"] = str(options.timeout)

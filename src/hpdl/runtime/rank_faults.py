@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import IO, MutableMapping, Optional
 
-__all__ = ["RANK_FAULT_FDS", "RankFaults", "watch"]
+__all__ = ["FAULT_SIGNALS", "RANK_FAULT_FDS", "RankFaults", "watch"]
 
 RANK_FAULT_FDS = "HPDL_RANK_FAULT_FDS"
 """'fd0;fd1;...': one pipe's write end per rank (PMI_RANK picks)."""
@@ -33,6 +33,7 @@ _SIGNALS: dict[str, int] = {
     "Illegal instruction": signal.SIGILL,
 }
 """faulthandler's names of the signals it reports."""
+FAULT_SIGNALS = frozenset(_SIGNALS.values())
 
 _HINTS: dict[int, str] = {
     int(signal.SIGBUS): "a bus error in an MPI job is most often shared memory running out: /dev/shm is full (64 MB in "

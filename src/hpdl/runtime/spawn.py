@@ -18,6 +18,7 @@ made (UCX_NET_DEVICES, GLOO_SOCKET_IFNAME, ...) wins.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
@@ -27,18 +28,21 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any, Iterator, Optional, Sequence
 
 from hpdl.runtime.environment import STORE_FD, loopback_interface
-from hpdl.runtime.rank_faults import RANK_FAULT_FDS, RankFaults
+from hpdl.runtime.rank_failure import JOB_DIR, first_failure, mark_interrupted
+from hpdl.runtime.rank_faults import FAULT_SIGNALS, RANK_FAULT_FDS, RankFaults
 from hpdl.runtime.rank_output import RANK_OUTPUT_FDS, rank_outputs
 
 __all__ = [
     "LOOPBACK_SETTINGS",
     "STORE_FD",
     "find_mpiexec",
+    "forker_segment_prefix",
     "job_environment",
     "local_mpiexec",
     "mpiexec_argv",
@@ -85,6 +89,8 @@ LOOPBACK_SETTINGS = (
 """Each names the interface its transport may listen on; a local job sets them all to loopback."""
 _RANK_LABEL = re.compile(r"^(?:(\d+)>|\[\d+,(\d+)\]<std(?:out|err)>: ?)")
 """gforker's `0>` and Open MPI's `[1,0]<stdout>: ` before a rank's line."""
+_RETURN_CODE = re.compile(r"^\[\d+\](\d+):Return code = -?\d+(?:, signaled with (.+?))?\s*$")
+"""gforker's report of each rank's exit once one has failed."""
 
 
 def find_mpiexec() -> str:
@@ -179,22 +185,61 @@ def run(
     """
     command = [sys.executable, *python_options, "-u", "-m", "hpdl.runtime.run_rank", *target]
     env = job_environment(backend, nprocs) if env is None else env
+    job_dir = tempfile.mkdtemp(prefix="hpdl-job-")
+    try:
+        with _terminate_as_interrupt():
+            return _run_job(nprocs, command, backend, {**env, JOB_DIR: job_dir}, tag_output, timeout, name)
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM to the launcher (a batch system's, a test's) stops the job as Ctrl-C does, clean-up included."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_job(
+    nprocs: int,
+    command: list[str],
+    backend: str,
+    env: dict[str, str],
+    tag_output: bool,
+    timeout: Optional[float],
+    name: str,
+) -> int:
     if backend == "mpi":
         children, pumps = _spawn_mpi(nprocs, command, env, tag_output)
     else:
         children, pumps = _spawn_torch(nprocs, command, env, tag_output)
+    stopped_here = False
     try:
-        code = supervise(children, timeout, name)
+        code = supervise(children, timeout, name, env.get(JOB_DIR))
+        stopped_here = code == TIMED_OUT
     except KeyboardInterrupt:
         print(f"{name}: interrupted; stopping every rank", file=sys.stderr, flush=True)
+        mark_interrupted(env[JOB_DIR])
         stop(children, signal.SIGINT)
-        code = INTERRUPTED
+        code, stopped_here = INTERRUPTED, True
     for pump in pumps:
         pump.join(timeout=GRACE_SECONDS)
     for child in children:
         faults = getattr(child, "hpdl_faults", None)
         if faults is not None:
             code = faults.settle(code, name, GRACE_SECONDS)
+        if not stopped_here:  # else the signals are the launcher's own
+            code = _said_signals(getattr(child, "hpdl_signaled", {}), code, name)
         if getattr(child, "hpdl_forker", False):
             remove_forker_segments(child.pid)  # left behind where ranks were killed
     return code
@@ -211,9 +256,8 @@ def remove_forker_segments(pid: int, root: str = "/dev/shm") -> list[str]:
     this job's alone while its gforker lives, so removing it before the ranks start and after they end is
     safe beside other jobs.
     """
-    world_id = _fnv1a(f"kvs_{pid}_0")
     removed = []
-    for pattern in (f"mpich_shm_{world_id:x}_*", f"mpich_vci_{world_id:x}_*"):
+    for pattern in (f"{forker_segment_prefix(pid)}*", f"{forker_segment_prefix(pid, 'mpich_vci_')}*"):
         for path in glob.glob(os.path.join(root, pattern)):
             try:
                 os.unlink(path)
@@ -221,6 +265,11 @@ def remove_forker_segments(pid: int, root: str = "/dev/shm") -> list[str]:
             except OSError:
                 pass  # gone already, or not ours to remove
     return removed
+
+
+def forker_segment_prefix(pid: int, kind: str = "mpich_shm_") -> str:
+    """The start of the names MPICH gives the shared-memory files of the job that `mpiexec.gforker` `pid` runs."""
+    return f"{kind}{_fnv1a(f'kvs_{pid}_0'):x}_"
 
 
 def _fnv1a(text: str) -> int:
@@ -231,8 +280,16 @@ def _fnv1a(text: str) -> int:
     return value
 
 
-def supervise(children: list[subprocess.Popen], timeout: Optional[float] = None, name: str = "hpdl launch") -> int:
-    """Wait for every process; on the first failure (or the timeout) stop the rest and return its code."""
+def supervise(
+    children: list[subprocess.Popen],
+    timeout: Optional[float] = None,
+    name: str = "hpdl launch",
+    job_dir: Optional[str] = None,
+) -> int:
+    """Wait for every process; on the first failure (or the timeout) stop the rest and return its code.
+
+    A rank that reported its failure in `job_dir` (`hpdl.runtime.rank_failure`) has said why; the others say
+    where they were stopped."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         codes = [child.poll() for child in children]
@@ -240,7 +297,7 @@ def supervise(children: list[subprocess.Popen], timeout: Optional[float] = None,
         if failed:
             rank, code = failed[0]
             running = [child for child in children if child.poll() is None]
-            if running:
+            if running and (job_dir is None or first_failure(job_dir) is None):
                 print(
                     f"{name}: rank {rank} exited with code {code}; stopping the other {len(running)} rank(s)",
                     file=sys.stderr,
@@ -313,11 +370,16 @@ def _spawn_mpi(
     argv = [mpiexec, "-n", str(nprocs), *_oversubscribe(flavour)]
     if tag_output:
         argv += {"gforker": ["-l"], "hydra": ["-prepend-rank"], "openmpi": ["--tag-output"]}.get(flavour, [])
-    pipe = subprocess.PIPE if tag_output and flavour in ("gforker", "openmpi") else None
+    pipe = subprocess.PIPE if flavour == "gforker" or (tag_output and flavour == "openmpi") else None
     pumps: list[threading.Thread] = []
     fds: tuple[int, ...] = ()
     faults = None
-    if flavour == "gforker":  # its relay drops a rank's output at the first non-ASCII byte
+    signaled: dict[int, int] = {}
+    if flavour != "gforker":  # the others stop the job with MPI_Abort, which their launchers expect
+        env = {k: v for k, v in env.items() if k != JOB_DIR}
+    else:  # its relay drops a rank's output at the first non-ASCII byte
+        # every rank on this host: the locality variables Hydra and torchrun give (run_rank adds each rank's own)
+        env = {**env, "MPI_LOCALNRANKS": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs)}
         outputs = rank_outputs(nprocs, _tag_lines if tag_output else None)
         env, fds, pumps = {**env, RANK_OUTPUT_FDS: outputs.value}, outputs.fds, outputs.pumps
         faults = RankFaults(nprocs)  # it exits 0 when a signal killed a rank
@@ -330,13 +392,15 @@ def _spawn_mpi(
             os.close(fd)
     child.hpdl_group = True  # type: ignore[attr-defined]
     child.hpdl_faults = faults  # type: ignore[attr-defined]
+    child.hpdl_signaled = signaled  # type: ignore[attr-defined]
     if flavour == "gforker":
         remove_forker_segments(child.pid)  # a dead job's, whose launcher had this pid
         child.hpdl_forker = True  # type: ignore[attr-defined]
     if pipe is not None:
         assert child.stdout is not None and child.stderr is not None
         for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            pump = threading.Thread(target=_relabel_lines, args=(source, sink), daemon=True)
+            relay: tuple[Any, ...] = (_launcher_lines, signaled) if flavour == "gforker" else (_relabel_lines,)
+            pump = threading.Thread(target=relay[0], args=(source, sink, *relay[1:]), daemon=True)
             pump.start()
             pumps.append(pump)
     return [child], pumps
@@ -401,6 +465,39 @@ def _tag_lines(source: IO[bytes], sink: IO[str], rank: int) -> None:
         sink.write(f"[{rank}] " + raw.decode(errors="replace"))
         sink.flush()
     source.close()
+
+
+def _launcher_lines(source: IO[bytes], sink: IO[str], signaled: dict[int, int]) -> None:
+    """MPICH's forking launcher's own output (the ranks' goes around it) without its `[0]1:Return code = 0,
+    signaled with Quit` line per rank: a failing rank says why itself. The signals it names go to `signaled`
+    (rank -> signal number) for `_said_signals`."""
+    for raw in iter(source.readline, b""):
+        line = raw.decode(errors="replace")
+        found = _RETURN_CODE.match(line)
+        if not found:
+            sink.write(line)
+            sink.flush()
+        elif found.group(2) in _SIGNAL_NAMES:
+            signaled[int(found.group(1))] = _SIGNAL_NAMES[found.group(2)]
+    source.close()
+
+
+_SIGNAL_NAMES = {signal.strsignal(s): int(s) for s in signal.valid_signals() if signal.strsignal(s)}
+"""'Killed' -> 9, as the C library names signals (gforker's "signaled with Killed")."""
+_STOPPING_SIGNALS = (signal.SIGINT, signal.SIGQUIT)
+"""What gforker sends the other ranks once one has ended with a non-zero code."""
+
+
+def _said_signals(signaled: dict[int, int], code: int, name: str) -> int:
+    """A rank killed by a signal from outside the job (the OOM killer, a batch system, `kill -9`), which gforker
+    reports with exit code 0 and which no rank could report itself: said, and 128 + its number as the code."""
+    outside = {rank: number for rank, number in signaled.items() if number not in _STOPPING_SIGNALS}
+    for rank, number in sorted(outside.items()):
+        if number not in FAULT_SIGNALS:  # RankFaults says those, with the rank's traceback
+            print(f"{name}: rank {rank} was killed by {signal.Signals(number).name}", file=sys.stderr, flush=True)
+    if outside and code in (0, INTERRUPTED):
+        return 128 + min(outside.values())
+    return code
 
 
 def _relabel_lines(source: IO[bytes], sink: IO[str]) -> None:

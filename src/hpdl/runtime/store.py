@@ -91,12 +91,20 @@ def rendezvous_store(rank: int, size: int, addr: str, port: int, span: Any) -> A
     """
     import torch.distributed as dist
 
-    if rank != 0 or _handed_store is not None:
+    if rank != 0 or _handed_store is not None or _agent_serves_store():
         return dist.TCPStore(addr, port, size, is_master=False, timeout=span)
     handed = os.environ.pop(STORE_FD, "")  # bound already, by hpdl launch (spawn.store_listener) or listen_for_store
-    # else torchrun's MASTER_PORT: listen on it now; the store's server owns the socket from here on
+    # else MASTER_PORT of a launcher that serves no store: listen on it now; the store's server owns the socket
     fd = int(handed) if handed else _store_socket(addr, port, size).detach()
     return _server(addr, port, size, span, fd)
+
+
+def _agent_serves_store() -> bool:
+    """Whether torchrun's agent serves the store on MASTER_PORT (it says so with TORCHELASTIC_USE_AGENT_STORE, as
+    torch's own env:// rendezvous reads it): then rank 0 is a client like the others, and a server of its own on
+    that port fails with EADDRINUSE. `hpdl launch --backend torch` sets the same variable and hands rank 0 the
+    socket instead (STORE_FD): that rank serves it."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and STORE_FD not in os.environ
 
 
 def open_store_over_mpi(
