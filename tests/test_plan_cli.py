@@ -71,6 +71,8 @@ def test_search_table_says_why_the_best_wins(capsys):
     cluster = "nodes=4,gpus_per_node=8,gpu=a100-40,intra=nvlink,inter=ib-200"
     code, text, _ = plan_cli(capsys, "--model", "gpt2-large", "--batch", "256", "--cluster", cluster, "--top", "3")
     assert code == 0 and "| #" in text and "Best: " in text and "slower" in text
+    # the header's two counts say what they count (it read "38 layers" beside "layers=36")
+    assert "(38 layers to place in stages: embedding + 36 x block + head;" in text and "blocks=36," in text, text
 
 
 def test_search_of_a_user_model_file_and_clear_errors(tmp_path, capsys):
