@@ -4,7 +4,8 @@ Launched jobs (each bounded by a timeout; nothing may hang):
 - the lab (examples/lab_dask.py) on 4 ranks: sum(x + x.T), a dataframe groupby + merge on scikit-learn's
   diabetes data, and hpdl.ml's K-Means on Dask, each over tcp://, over mpi:// and in one process;
 - a client that closes its connection and reconnects (the cluster carries on, as Dask does on TCP);
-- a worker rank that dies, and a client script that raises: the job ends with an error, every rank stops.
+- a worker rank that dies, and a client script that raises: the job ends with an error, every rank stops;
+- `hpdl dask`'s output: the script's only (Dask's INFO log with `--verbose`), no traceback at shutdown.
 """
 
 from __future__ import annotations
@@ -121,6 +122,44 @@ def test_worker_rank_dies_job_ends_with_error() -> None:
     assert time.monotonic() - start < 120
 
 
+def _hpdl_dask(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        HPDL + ["dask", "-n", "4", "--job-timeout", "120", *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT,
+    )
+
+
+def test_hpdl_dask_quiet_clean_shutdown_verbose_and_failing_script() -> None:
+    """`hpdl dask` shows the script's output only (no INFO log, no shutdown traceback); `--verbose` brings Dask's
+    log back; a failing script's traceback and exit code still come through. Two launches."""
+    quiet = _hpdl_dask(__file__, "one_line")
+    assert quiet.returncode == 0, _explain(quiet)
+    assert quiet.stdout == "1000.0\n", quiet.stdout
+    assert "UserWarning: the script's own warning" in quiet.stderr  # the script's warnings still show
+    # everything else on stderr: nothing but distributed's load warning ("Event loop was unresponsive", 2 cores)
+    others = [
+        line
+        for line in quiet.stderr.splitlines()
+        if line.strip() and "the script's own warning" not in line and "unresponsive" not in line
+    ]
+    assert others == [], quiet.stderr[-3000:]
+    for word in (" - INFO - ", "Traceback", "Error", "Exception"):
+        assert word not in quiet.stderr, quiet.stderr[-3000:]
+
+    loud = _hpdl_dask("--verbose", __file__, "one_line", "fail")
+    assert loud.returncode not in (0, 124), _explain(loud)
+    assert loud.stdout.startswith("1000.0\n"), loud.stdout
+    assert " - INFO - " in loud.stderr and "Closing scheduler. Reason:" in loud.stderr  # Dask's log is back
+    assert "Traceback (most recent call last)" in loud.stderr
+    assert "RuntimeError: the script failed on purpose" in loud.stderr
+    assert "hpdl dask: the job failed with exit code" in loud.stderr
+    # the workers left before the scheduler closed: no stream was written after its peer had closed it
+    assert "Batched Comm Closed" not in loud.stderr and "closed comm" not in loud.stderr, loud.stderr[-3000:]
+
+
 def test_initialize_client_error_shuts_every_rank_down() -> None:
     """dask-mpi's pattern (`initialize()`, then a plain `Client()`), and a client that fails: all ranks stop."""
     done = _mpiexec(3, sys.executable, __file__, "client_raises")
@@ -174,6 +213,15 @@ def test_cli_errors_are_clear() -> None:
         "-n",
         "2",
     ]
+    # an option's value is not the script: -n after it is still the outer launch's (else the ranks spawn again)
+    assert _without_nprocs(["--protocol", "tcp", "-n", "4", "--verbose", "s.py", "-n", "2"]) == [
+        "--protocol",
+        "tcp",
+        "--verbose",
+        "s.py",
+        "-n",
+        "2",
+    ]
     with pytest.raises(SystemExit):
         run_argv([])  # neither a script nor --scheduler-file
     assert run_argv(["-n", "2", __file__]) == 2  # a script needs >= 3 ranks
@@ -192,7 +240,7 @@ def test_cluster_options_validate() -> None:
 def _disconnect(client: Any) -> dict[str, Any]:
     from distributed import Client
 
-    from hpdl.dask.cluster import _stop_heartbeat
+    from hpdl.dask.shutdown import stop_heartbeat
 
     before = client.submit(sum, range(10)).result()
     address = client.scheduler.address
@@ -201,7 +249,7 @@ def _disconnect(client: Any) -> dict[str, Any]:
     with Client(address, timeout=60) as again:
         after = again.submit(sum, range(100)).result()
         workers = len(again.scheduler_info()["workers"])
-        again.run(_stop_heartbeat)  # what the shutdown does first, so that no heartbeat meets a closing scheduler
+        again.run(stop_heartbeat)  # what a closing worker does first, so that its close cuts no heartbeat off
         beating = again.run(lambda dask_worker: dask_worker.periodic_callbacks["heartbeat"].is_running())
     return {"before": before, "after": after, "workers_after": workers, "old_client": old, "beating": beating}
 
@@ -225,6 +273,15 @@ def script_main(mode: str, *args: str) -> None:
 
         get_client().submit(os._exit, 3, pure=False).result(timeout=60)
         raise SystemExit("the worker survived os._exit?")
+    elif mode == "one_line":  # run by `hpdl dask` on rank 1
+        import warnings
+
+        import dask.array as da
+
+        print(da.ones(1000, chunks=100).sum().compute())
+        warnings.warn("the script's own warning", stacklevel=1)
+        if args and args[0] == "fail":
+            raise RuntimeError("the script failed on purpose")
     elif mode == "client_raises":
         from distributed import Client
 

@@ -9,11 +9,16 @@ cluster is already the default: `dask.compute`, `Client()` and
 `get_client()` use it), the other ranks are workers. When the script ends
 the cluster shuts down and every rank exits; the script's exit code is the
 job's. If any rank dies, mpiexec ends the job.
+
+Quiet by default: Dask's own log (the `distributed` loggers: every connection,
+worker and shutdown step at INFO) shows only warnings and errors; `--verbose`
+shows it all. The script's prints, warnings and logging are untouched.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import runpy
 import sys
@@ -36,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler-file", help="without a script: write the scheduler's address here and serve")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start-up (default 120)")
     parser.add_argument("--job-timeout", type=float, help="with -n: stop the whole job after this many seconds")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="show Dask's INFO log (else only its warnings and errors)"
+    )
     parser.add_argument("script", nargs="?", help="the client script (run on rank 1)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -84,26 +92,43 @@ def _spawn(options: argparse.Namespace, argv: list[str]) -> int:
     return int(code)
 
 
+OUTER_ONLY = ("-n", "--nprocs", "--job-timeout")
+"""Options of the outer launch, not passed on to the ranks."""
+WITH_VALUE = OUTER_ONLY + (
+    "--protocol",
+    "--nthreads",
+    "--memory-limit",
+    "--local-directory",
+    "--scheduler-file",
+    "--timeout",
+)
+"""Options followed by a value (which is not the script)."""
+
+
 def _without_nprocs(argv: list[str]) -> list[str]:
     """The command line minus `-n N` / `--nprocs N` / `--job-timeout S` (options of the outer launch only)."""
     out: list[str] = []
-    skip = False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg in ("-n", "--nprocs", "--job-timeout"):
-            skip = True
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in WITH_VALUE:
+            if arg not in OUTER_ONLY:
+                out += argv[i : i + 2]
+            i += 2
             continue
         if arg.startswith(("--nprocs=", "--job-timeout=")) or (arg.startswith("-n") and arg[2:].isdigit()):
+            i += 1
             continue
         if not arg.startswith("-"):  # the script: everything from here on is its own
             return out + argv[i:]
         out.append(arg)
+        i += 1
     return out
 
 
 def _serve(options: argparse.Namespace) -> int:
+    if not options.verbose:
+        _quiet_dask()
     from hpdl.dask.cluster import ClusterOptions, run_cluster
 
     cluster = ClusterOptions(
@@ -119,6 +144,18 @@ def _serve(options: argparse.Namespace) -> int:
         return 0
     code = run_cluster(lambda client: _run_script(options.script, options.args), cluster)
     return int(code or 0)
+
+
+def _quiet_dask() -> None:
+    """Dask's own log at WARNING on this rank: distributed logs every connection, worker and shutdown step at
+    INFO (57+ lines for a one-line result). Its warnings and errors still show, and so does everything of the
+    script's own (prints, warnings, its loggers)."""
+    import dask
+
+    dask.config.set({"logging.distributed": "warning"})  # for anything that configures distributed's logging again
+    import distributed  # noqa: F401 - importing it sets its loggers' levels from dask.config: set ours after
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
 def _run_script(script: str, args: list[str]) -> int:

@@ -102,6 +102,8 @@ def _tcp_host(hosts: list[str]) -> Optional[str]:
 async def _scheduler(options: ClusterOptions, scheduler_file: Optional[str]) -> None:
     from distributed import Scheduler
 
+    from hpdl.dask.shutdown import WorkersLeaveFirst
+
     world = _world()
     protocols = [options.protocol] + (["tcp"] if scheduler_file and options.protocol != "tcp" else [])
     # a scheduler file is for clients outside the job, maybe on another machine: its tcp:// listener is not loopback
@@ -115,6 +117,7 @@ async def _scheduler(options: ClusterOptions, scheduler_file: Optional[str]) -> 
         "host": hosts if len(hosts) > 1 else hosts[0],
     }
     async with Scheduler(**kwargs) as scheduler:
+        scheduler.add_plugin(WorkersLeaveFirst(scheduler, options.timeout))  # at close: workers leave first
         addresses = [listener.contact_address for listener in scheduler.listeners]
         if scheduler_file:
             _write_scheduler_file(scheduler_file, scheduler, addresses)
@@ -137,7 +140,7 @@ def _write_scheduler_file(path: str, scheduler: Any, addresses: list[str]) -> No
 
 
 async def _worker(options: ClusterOptions, address: str, rank: int) -> None:
-    from distributed import Worker
+    from hpdl.dask.shutdown import Worker  # distributed's, leaving without cutting a heartbeat off
 
     kwargs: dict[str, Any] = {
         "name": f"rank-{rank}",
@@ -232,29 +235,18 @@ def _run_client(main: Callable[[Any], T], address: str, options: ClusterOptions)
 
 
 def _shutdown(client: Any, address: str) -> None:
+    """Shut the cluster down through `client` (a fresh one if the script closed it): the scheduler's close lets
+    every worker leave first (`hpdl.dask.shutdown`), then every rank returns."""
     try:
         if client.status == "closed":  # the script closed its client: shut down through a fresh one
             from distributed import Client
 
             client = Client(address, timeout=30)
-        try:
-            client.run(_stop_heartbeat)
-        except Exception as error:  # noqa: BLE001 - a worker is gone: shut down all the same
-            logger.info("hpdl.dask: stopping the workers' heartbeats: %r", error)
         client.shutdown()
     except Exception as error:  # noqa: BLE001 - the cluster may be gone already; say so, never hang
         logger.warning("hpdl.dask: shutting the cluster down: %r", error)
     finally:
         client.close()
-
-
-def _stop_heartbeat(dask_worker: Any) -> None:
-    """On every worker, before the scheduler closes: a heartbeat that meets the scheduler's closing comms is
-    logged by distributed as an ERROR with a traceback ("Failed to communicate with scheduler during
-    heartbeat"; seen under load). Without heartbeats the worker still ends on the scheduler's "close"."""
-    callback = dask_worker.periodic_callbacks.get("heartbeat")
-    if callback is not None:
-        callback.stop()
 
 
 def initialize(
