@@ -206,7 +206,7 @@ def _stopped(signum: int, frame: Optional[FrameType]) -> Any:
         raise KeyboardInterrupt  # Ctrl-C: the script may handle it; else run_rank says where it was
     _reporting()
     _write(f"hpdl: rank {_rank()} stopped by the launcher {_where(frame)}: another rank ended without a report\n")
-    _leave(128 + signum)
+    _leave(1)  # not 128 + signum: the job's code is the silent rank's (gforker passes on the largest), not an interrupt
 
 
 def mark_interrupted(job_dir: str) -> None:

@@ -89,7 +89,7 @@ LOOPBACK_SETTINGS = (
 """Each names the interface its transport may listen on; a local job sets them all to loopback."""
 _RANK_LABEL = re.compile(r"^(?:(\d+)>|\[\d+,(\d+)\]<std(?:out|err)>: ?)")
 """gforker's `0>` and Open MPI's `[1,0]<stdout>: ` before a rank's line."""
-_RETURN_CODE = re.compile(r"^\[\d+\](\d+):Return code = -?\d+(?:, signaled with (.+?))?\s*$")
+_RETURN_CODE = re.compile(r"^\[\d+\](\d+):Return code = (-?\d+)(?:, signaled with (.+?))?\s*$")
 """gforker's report of each rank's exit once one has failed."""
 
 
@@ -239,7 +239,7 @@ def _run_job(
         if faults is not None:
             code = faults.settle(code, name, GRACE_SECONDS)
         if not stopped_here:  # else the signals are the launcher's own
-            code = _said_signals(getattr(child, "hpdl_signaled", {}), code, name)
+            code = _said_exits(getattr(child, "hpdl_ended", {}), code, env[JOB_DIR], name)
         if getattr(child, "hpdl_forker", False):
             remove_forker_segments(child.pid)  # left behind where ranks were killed
     return code
@@ -374,7 +374,7 @@ def _spawn_mpi(
     pumps: list[threading.Thread] = []
     fds: tuple[int, ...] = ()
     faults = None
-    signaled: dict[int, int] = {}
+    ended: dict[int, tuple[int, int]] = {}
     if flavour != "gforker":  # the others stop the job with MPI_Abort, which their launchers expect
         env = {k: v for k, v in env.items() if k != JOB_DIR}
     else:  # its relay drops a rank's output at the first non-ASCII byte
@@ -392,14 +392,14 @@ def _spawn_mpi(
             os.close(fd)
     child.hpdl_group = True  # type: ignore[attr-defined]
     child.hpdl_faults = faults  # type: ignore[attr-defined]
-    child.hpdl_signaled = signaled  # type: ignore[attr-defined]
+    child.hpdl_ended = ended  # type: ignore[attr-defined]
     if flavour == "gforker":
         remove_forker_segments(child.pid)  # a dead job's, whose launcher had this pid
         child.hpdl_forker = True  # type: ignore[attr-defined]
     if pipe is not None:
         assert child.stdout is not None and child.stderr is not None
         for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            relay: tuple[Any, ...] = (_launcher_lines, signaled) if flavour == "gforker" else (_relabel_lines,)
+            relay: tuple[Any, ...] = (_launcher_lines, ended) if flavour == "gforker" else (_relabel_lines,)
             pump = threading.Thread(target=relay[0], args=(source, sink, *relay[1:]), daemon=True)
             pump.start()
             pumps.append(pump)
@@ -467,37 +467,39 @@ def _tag_lines(source: IO[bytes], sink: IO[str], rank: int) -> None:
     source.close()
 
 
-def _launcher_lines(source: IO[bytes], sink: IO[str], signaled: dict[int, int]) -> None:
+def _launcher_lines(source: IO[bytes], sink: IO[str], ended: dict[int, tuple[int, int]]) -> None:
     """MPICH's forking launcher's own output (the ranks' goes around it) without its `[0]1:Return code = 0,
-    signaled with Quit` line per rank: a failing rank says why itself. The signals it names go to `signaled`
-    (rank -> signal number) for `_said_signals`."""
+    signaled with Quit` line per rank: a failing rank says why itself. What the lines say goes to `ended`
+    (rank -> (exit code, signal number or 0)) for `_said_exits`."""
     for raw in iter(source.readline, b""):
         line = raw.decode(errors="replace")
         found = _RETURN_CODE.match(line)
         if not found:
             sink.write(line)
             sink.flush()
-        elif found.group(2) in _SIGNAL_NAMES:
-            signaled[int(found.group(1))] = _SIGNAL_NAMES[found.group(2)]
+        else:
+            ended[int(found.group(1))] = (int(found.group(2)), _SIGNAL_NAMES.get(found.group(3) or "", 0))
     source.close()
 
 
 _SIGNAL_NAMES = {signal.strsignal(s): int(s) for s in signal.valid_signals() if signal.strsignal(s)}
 """'Killed' -> 9, as the C library names signals (gforker's "signaled with Killed")."""
-_STOPPING_SIGNALS = (signal.SIGINT, signal.SIGQUIT)
-"""What gforker sends the other ranks once one has ended with a non-zero code."""
 
 
-def _said_signals(signaled: dict[int, int], code: int, name: str) -> int:
-    """A rank killed by a signal from outside the job (the OOM killer, a batch system, `kill -9`), which gforker
-    reports with exit code 0 and which no rank could report itself: said, and 128 + its number as the code."""
-    outside = {rank: number for rank, number in signaled.items() if number not in _STOPPING_SIGNALS}
-    for rank, number in sorted(outside.items()):
+def _said_exits(ended: dict[int, tuple[int, int]], code: int, job_dir: str, name: str) -> int:
+    """A rank killed from outside (the OOM killer, a batch system, `kill -9`), which gforker reports with exit code
+    0 and which cannot say it itself: said, and 128 + the signal's number is the job's code."""
+    if first_failure(job_dir) is not None:
+        return code  # the rank that failed first said why, and its code is the job's
+    killed = [(rank, number) for rank, (_, number) in sorted(ended.items()) if number not in _STOPPING]
+    for rank, number in killed:
         if number not in FAULT_SIGNALS:  # RankFaults says those, with the rank's traceback
             print(f"{name}: rank {rank} was killed by {signal.Signals(number).name}", file=sys.stderr, flush=True)
-    if outside and code in (0, INTERRUPTED):
-        return 128 + min(outside.values())
-    return code
+    return 128 + killed[0][1] if killed else code
+
+
+_STOPPING = (0, signal.SIGINT, signal.SIGQUIT)
+"""No signal, or one gforker sends the other ranks once one has ended with a non-zero code."""
 
 
 def _relabel_lines(source: IO[bytes], sink: IO[str]) -> None:
