@@ -1,7 +1,9 @@
 """Rank 0's torch rendezvous store: where it listens (one address, never every interface) and who serves it.
 
 torch's own TCPStore server listens on all interfaces; hpdl's listens on the
-address the ranks share (127.0.0.1 for a job on one machine), on a socket
+address the ranks share (127.0.0.1 for a job on one machine; across machines,
+under MPI, the address of rank 0 that every rank reaches: see
+`hpdl.runtime.addresses`), on a socket
 bound before its port is told to anyone (no window in which another process
 could take the port).
 """
@@ -14,14 +16,10 @@ import socket
 from typing import Any, Callable
 
 from hpdl.errors import BackendUnavailableError
+from hpdl.runtime.addresses import agree_address, interface_of
 from hpdl.runtime.environment import STORE_FD, torch_release
 
-__all__ = ["listen_for_store", "open_store_over_mpi", "rendezvous_store", "serve_handed_store", "store_host"]
-
-
-def store_host(hosts: list[str]) -> str:
-    """Where the ranks (one host name each) meet rank 0's store: loopback for a job on one machine."""
-    return "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+__all__ = ["listen_for_store", "open_store_over_mpi", "rendezvous_store", "serve_handed_store"]
 
 
 def listen_for_store(host: str, size: int) -> int:
@@ -108,18 +106,26 @@ def _agent_serves_store() -> bool:
 
 
 def open_store_over_mpi(
-    broadcast: Callable[[Any], Any], rank: int, size: int, host: str, span: Any, caller: str
+    broadcast: Callable[[Any], Any], allgather: Callable[[Any], list[Any]], rank: int, size: int, span: Any, caller: str
 ) -> Any:
-    """The rendezvous store of a job launched by MPI: rank 0 opens its server, then tells its port (through
-    `broadcast`, an MPI broadcast from rank 0) or why there is none, and the others connect.
+    """The rendezvous store of a job launched by MPI (every rank calls it): the ranks agree over MPI on the
+    address of rank 0 that all of them reach (`hpdl.runtime.addresses`: 127.0.0.1 on one host, never a host
+    name, HPDL_BIND_ADDR when set), rank 0 opens its server there, then tells its port (through `broadcast`,
+    an MPI broadcast from rank 0; `allgather`, an MPI allgather of one object per rank) or why there is none,
+    and the others connect. Each rank's gloo, unless GLOO_SOCKET_IFNAME says otherwise, takes the interface
+    that reaches that address (gloo would take the one its host name resolves to: loopback, or none).
 
     The server first: told a port too early, the other ranks' clients would keep trying to connect, for the
     whole store timeout (30 minutes in torch's env://), to a server that never opened. They raise at once.
     """
+    address = agree_address(broadcast, allgather, rank, caller)
+    interface = interface_of(address)
+    if interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     if rank == 0:
         try:
-            port = listen_for_store(host, size)
-            store = rendezvous_store(0, size, host, port, span)
+            port = listen_for_store(address, size)
+            store = rendezvous_store(0, size, address, port, span)
         except Exception as exc:
             broadcast(f"{type(exc).__name__}: {exc}")
             raise
@@ -128,7 +134,7 @@ def open_store_over_mpi(
     told = broadcast(None)
     if isinstance(told, str):
         raise BackendUnavailableError(f"{caller}: rank 0 could not open the rendezvous store ({told})")
-    return rendezvous_store(rank, size, host, told, span)
+    return rendezvous_store(rank, size, address, told, span)
 
 
 def _server(addr: str, port: int, size: int, span: Any, fd: int) -> Any:

@@ -8,7 +8,6 @@ come from MPI; a rank or world size given in the URL must agree with them.
 from __future__ import annotations
 
 import datetime
-import socket
 from typing import Any, Iterator, Optional
 from urllib.parse import parse_qs, urlparse
 
@@ -19,7 +18,7 @@ DEFAULT_STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
 def mpi_rendezvous(url: str, timeout: Optional[datetime.timedelta]) -> Iterator[tuple[Any, int, int]]:
     import hpdl
-    from hpdl.runtime.store import open_store_over_mpi, store_host
+    from hpdl.runtime.store import open_store_over_mpi
 
     comm = hpdl.init("mpi")
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
@@ -30,10 +29,11 @@ def mpi_rendezvous(url: str, timeout: Optional[datetime.timedelta]) -> Iterator[
                 f"of {comm.size}); under an MPI launcher leave rank and world_size out (or pass MPI's values)"
             )
     span = timeout or DEFAULT_STORE_TIMEOUT
-    # rank 0's server listens on loopback for a job on one machine, else on the address its host name has
-    host = store_host(comm.allgather_object(socket.gethostname()))
+    # rank 0's server listens on loopback for a job on one machine, else on the address of its host that every
+    # rank reaches (agreed over MPI: hpdl.runtime.addresses)
     store = open_store_over_mpi(
-        lambda value: comm.broadcast_object(value, root=0), comm.rank, comm.size, host, span, "init_process_group"
-    )
+        lambda value: comm.broadcast_object(value, root=0), comm.allgather_object, comm.rank, comm.size, span,
+        "init_process_group",
+    )  # fmt: skip
     yield store, comm.rank, comm.size
     raise RuntimeError("the hpdl MPI rendezvous cannot re-rendezvous: restart the job")
