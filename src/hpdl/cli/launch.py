@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from hpdl.comm.env import env_number
-from hpdl.runtime import spawn
+from hpdl.runtime import hosts, spawn
 
 __all__ = ["add_parser", "parse", "run_argv"]
 
@@ -31,10 +31,13 @@ forms (everything after the script or module is the script's own):
   hpdl launch --nproc-per-node 2 train.py           as with torchrun --nproc-per-node 2 train.py
   hpdl launch -n 2 -m package.module --flag         or: hpdl launch -n 2 python -m package.module
   hpdl launch -n 2 --backend torch train.py         ranks over torch.distributed (gloo) instead of MPI
+  hpdl launch -n 4 -H a:2,b:2 train.py              2 ranks on each of hosts a and b (as horovodrun -H)
+  hpdl launch -n 8 --hostfile hosts train.py        the hosts of a hostfile (`host slots=N` or `host:N` lines)
 """
 
 RANK_OPTIONS = ("-n", "-np", "--np", "--nprocs", "--nproc-per-node", "--nproc_per_node")
-VALUE_OPTIONS = (*RANK_OPTIONS, "--backend", "--timeout", "-m")
+HOST_OPTIONS = ("-H", "--hosts", "--host")
+VALUE_OPTIONS = (*RANK_OPTIONS, *HOST_OPTIONS, "--hostfile", "--launcher-exec", "--backend", "--timeout", "-m")
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 # Interpreter options that may stand between `python` and the script; those with a value take the next word.
 PYTHON_FLAGS = {"-u", "-O", "-OO", "-B", "-E", "-s", "-S", "-I", "-b", "-bb", "-q", "-v"}
@@ -59,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(*RANK_OPTIONS, dest="nprocs", type=int, metavar="N", help="number of ranks")
+    parser.add_argument(*HOST_OPTIONS, dest="hosts", metavar="H:N,...", help="run on these hosts (a:2,b:2)")
+    parser.add_argument("--hostfile", metavar="FILE", help="run on the hosts of an mpirun-style hostfile")
+    parser.add_argument(
+        "--launcher-exec", default="ssh", metavar="RSH", help="the remote shell that reaches the hosts (ssh)"
+    )
     parser.add_argument("--backend", choices=("mpi", "torch"), default="mpi", help="communication backend (mpi)")
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
     parser.add_argument("--timeout", type=float, help="seconds any collective may wait (HPDL_TIMEOUT)")
@@ -112,6 +120,15 @@ def parse(argv: list[str]) -> Command:
         raise ValueError("say how many ranks: -n N (or -np N, --nproc-per-node N)")
     if options.nprocs < 1:
         raise ValueError(f"-n {options.nprocs}: need at least one rank")
+    if options.hosts and options.hostfile:
+        raise ValueError("give the hosts once: -H a:2,b:2 or --hostfile FILE")
+    options.host_list = hosts.parse_hosts(options.hosts) if options.hosts else None
+    if options.hostfile:
+        options.host_list = hosts.parse_hostfile(options.hostfile)
+    if options.host_list is not None:
+        options.host_list.placement(options.nprocs)  # enough slots
+        if options.backend != "mpi":
+            raise ValueError("across hosts hpdl launch runs the mpi backend; for torch, run torchrun on each host")
     python_options, program, named = _strip_python(program)
     if options.module is None and program[:1] == ["-m"]:
         if len(program) < 2:
@@ -153,7 +170,7 @@ def bad_setting() -> Optional[str]:
 def run_argv(argv: list[str]) -> int:
     try:
         command = parse(argv)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         print(f"hpdl launch: {error}", file=sys.stderr)
         return 2
     options = command.options
@@ -161,7 +178,7 @@ def run_argv(argv: list[str]) -> int:
     if problem:
         print(f"hpdl launch: {problem}", file=sys.stderr)
         return 2
-    env = spawn.job_environment(options.backend, options.nprocs)
+    env = spawn.job_environment(options.backend, options.nprocs, hosts=options.host_list)
     if options.timeout is not None:
         env["HPDL_TIMEOUT"] = str(options.timeout)
     if options.debug:
@@ -174,6 +191,8 @@ def run_argv(argv: list[str]) -> int:
             env=env,
             tag_output=options.tag_output,
             python_options=command.python_options,
+            hosts=options.host_list,
+            rsh=options.launcher_exec,
         )
     except FileNotFoundError as missing:
         print(f"hpdl launch: {missing}", file=sys.stderr)

@@ -12,6 +12,7 @@ from hpdl.cli import bench, demo, info, launch
 __all__ = ["main"]
 
 RAW_COMMANDS = {
+    "cluster": "a cluster of hosts on this machine (namespaces, shaped links) to run multi-host jobs on",
     "dask": "start a Dask cluster on MPI ranks over the mpi:// transport (under mpiexec)",
     "plan": "predict step time and memory of every parallel plan and pick the best",
     "tune": "measure where shared-memory collectives beat MPI on this machine; hpdl.init then uses it",

@@ -20,7 +20,15 @@ import torch
 
 from hpdl.comm import agreement, fingerprint, fusion
 from hpdl.comm.env import env_flag, env_number
-from hpdl.comm.progress import ProgressBoard, State, describe_laggards, different_collectives, mismatched, positions
+from hpdl.comm.progress import (
+    ProgressBoard,
+    State,
+    describe_laggards,
+    different_collectives,
+    mismatched,
+    positions,
+    silent_only,
+)
 from hpdl.comm.tensors import (
     ArrayLike,
     as_tensor,
@@ -71,6 +79,8 @@ class Communicator(ABC):
         self.size = size
         self.local_rank = local_rank
         self.local_size = local_size
+        self.hosts: Optional[list[str]] = None
+        """Each rank's host name, where the job learned them (hpdl.init's world): timeout errors name lost hosts."""
         self.timeout = timeout
         self._debug = bool(debug)
         self._tracer: Optional[Tracer] = None
@@ -510,12 +520,16 @@ class Communicator(ABC):
             states = None
             print(f"hpdl: could not read other ranks' progress: {exc}", file=sys.stderr)
         op = own_op(states, self.rank, seq, op)  # (what the caller called: not a wait inside it, such as the check's)
-        detail, missing = describe_laggards(states, self.rank, seq, op)
+        detail, missing = describe_laggards(states, self.rank, seq, op, self.hosts)
+        advice = (
+            "If they are only slow, raise the limit with hpdl.init(timeout=...) or HPDL_TIMEOUT."
+            if silent_only(states, missing)
+            else "Every rank must call the same collectives in the same order: run with HPDL_DEBUG=1 to compare "
+            "call sites, or raise the limit with hpdl.init(timeout=...) or HPDL_TIMEOUT if the work is only slow."
+        )
         message = (
             f"{op} #{seq} did not complete within {waited:.1f} s on rank {self.rank} of {self.size} "
-            f"({self.backend}). {detail} Every rank must call the same collectives in the same order: "
-            "run with HPDL_DEBUG=1 to compare call sites, or raise the limit with hpdl.init(timeout=...) "
-            "or HPDL_TIMEOUT if the work is only slow."
+            f"({self.backend}). {detail} {advice}"
         )
         return CommTimeoutError(message, op=op, seq=seq, missing=tuple(missing))
 

@@ -57,11 +57,14 @@ class LocalBoard(ProgressBoard):
         return [self.state]
 
 
-def describe_laggards(states: Optional[list[State]], rank: int, seq: int, op: str = "") -> tuple[str, list[int]]:
+def describe_laggards(
+    states: Optional[list[State]], rank: int, seq: int, op: str = "", hosts: Optional[list[str]] = None
+) -> tuple[str, list[int]]:
     """Where every rank is, and what that says, for a wait in collective `seq` (`op`) that did not complete: a
     sentence, and the ranks that did not arrive at it. Only collectives the ranks' users called are named (the
     board holds nothing else), and "every rank reached this collective" only where every rank is in the same op
-    under the same number."""
+    under the same number. With `hosts` (each rank's host name), silent ranks are named with their hosts: a whole
+    host gone silent is a lost host, not a wrong call."""
     if states is None:
         return "The other ranks' progress could not be read.", []
     states = list(states)
@@ -79,13 +82,13 @@ def describe_laggards(states: Optional[list[State]], rank: int, seq: int, op: st
             behind.append(other)
         elif state[0] > seq:
             ahead.append(other)
-        elif state[1] != op:
+        elif state[1] not in (op, "left", "finalize"):  # a rank that left or finished called nothing else
             differ.append(other)
     parts = [positions(states) + ("." if not differ else f": {different_collectives(seq)}.")]
     if behind:
         parts.append(f"Did not arrive: {_ranks(behind)} (still in an earlier collective, or busy outside hpdl).")
     if silent:
-        parts.append(f"Did not arrive: {_ranks(silent)} (no progress report: busy outside hpdl, or gone).")
+        parts.append(f"Did not arrive: {_ranks(silent)}{_on_hosts(silent, hosts)} ({_SILENT}).")
     if ahead and not (behind or silent or differ):
         parts.append(
             f"{_ranks(ahead).capitalize()} went past #{seq} without this rank: the ranks called different "
@@ -94,6 +97,22 @@ def describe_laggards(states: Optional[list[State]], rank: int, seq: int, op: st
     if not (behind or silent or ahead or differ):
         parts.append("Every rank reached this collective; the engine itself did not complete it.")
     return " ".join(parts), behind + silent
+
+
+_SILENT = "no progress report: their host is unreachable, or their processes are gone or busy outside hpdl"
+
+
+def silent_only(states: Optional[list[State]], missing: list[int]) -> bool:
+    """Whether every rank that did not arrive sent no progress report at all (lost, not late or elsewhere)."""
+    return states is not None and bool(missing) and all(states[r] is None for r in missing)
+
+
+def _on_hosts(ranks: list[int], hosts: Optional[list[str]]) -> str:
+    """' on host b' (' on hosts b, c'): where `ranks` run, when the hosts are known and not this one alone."""
+    if not hosts or len(set(hosts)) == 1:
+        return ""
+    names = sorted({hosts[r] for r in ranks})
+    return f" on host{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
 
 def mismatched(states: Optional[list[State]], rank: int, seq: int, op: str) -> list[int]:

@@ -164,10 +164,11 @@ def _innermost(error: BaseException) -> Optional[FrameType]:
     return tb.tb_frame if tb is not None else None
 
 
-def report_exit(code: int) -> None:
-    """This rank's script called `sys.exit(code)` (not 0): one line, then exit with that code."""
+def report_exit(code: int, summary: str = "") -> None:
+    """This rank's script called `sys.exit(code)` (not 0), or `summary` says why it ends: one line, then exit with
+    that code."""
     _reporting()
-    summary = f"exited with code {code}"
+    summary = summary or f"exited with code {code}"
     first = _claim_first(summary)
     _write(f"hpdl: rank {_rank()} {summary}{'' if first else ' (after another rank failed)'}\n")
     _leave(code)

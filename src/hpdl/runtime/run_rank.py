@@ -58,6 +58,7 @@ def main() -> None:
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if code == 0:
+            _leave_a_broken_job()
             raise
         if supervised():
             if not isinstance(stop.code, int) and stop.code is not None:
@@ -73,6 +74,19 @@ def main() -> None:
         if not supervised():
             raise  # hpdl.init's excepthook shows it and stops the job
         report_failure(error)
+    _leave_a_broken_job()
+
+
+def _leave_a_broken_job() -> None:
+    """The script caught a communication failure and ended as if all was well: MPI_Finalize at exit would wait on
+    the lost ranks (a host that is unreachable: for ever). Under `hpdl launch` the rank ends now, with code 1."""
+    if not supervised() or "hpdl.runtime.world" not in sys.modules:
+        return
+    from hpdl.runtime.world import broken
+
+    comm = broken()
+    if comm is not None:
+        report_exit(1, f"ended after a communication failure on {comm.backend} (its script went on): exit code 1")
 
 
 def local_ranks(env: MutableMapping[str, str] = os.environ) -> None:

@@ -31,9 +31,11 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional, Sequence
 
 from hpdl.runtime.environment import STORE_FD, loopback_interface
+from hpdl.runtime.hosts import Hosts
 from hpdl.runtime.rank_failure import JOB_DIR, first_failure, mark_interrupted
 from hpdl.runtime.rank_faults import FAULT_SIGNALS, RANK_FAULT_FDS, RankFaults
 from hpdl.runtime.rank_output import RANK_OUTPUT_FDS, rank_outputs
@@ -53,6 +55,8 @@ __all__ = [
 ]
 
 GRACE_SECONDS = 5.0
+FAILED_JOB_GRACE = 5.0
+"""Seconds a job may take to end once a rank has reported its failure (the launcher stops it then)."""
 TIMED_OUT = 124
 INTERRUPTED = 130
 _OUTER_LAUNCH = (
@@ -115,7 +119,9 @@ def _oversubscribe(flavour: str) -> list[str]:
     return ["--oversubscribe"] if flavour == "openmpi" else []
 
 
-def job_environment(backend: str, nprocs: int, base: Optional[dict[str, str]] = None) -> dict[str, str]:
+def job_environment(
+    backend: str, nprocs: int, base: Optional[dict[str, str]] = None, hosts: Optional[Hosts] = None
+) -> dict[str, str]:
     """The ranks' environment: the backend chosen, no launcher variables of an outer job, hpdl importable.
 
     OMP_NUM_THREADS defaults to the cores per rank, and torch's CPU allocator puts tensors of 2 MB and more
@@ -125,14 +131,16 @@ def job_environment(backend: str, nprocs: int, base: Optional[dict[str, str]] = 
     """
     env = {k: v for k, v in (os.environ if base is None else base).items() if not _outer_launch_variable(k)}
     env["HPDL_BACKEND"] = backend
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    per_host = max(n for _, n in hosts.placement(nprocs)) if hosts else nprocs
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_host)))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    loopback = loopback_interface()
-    for name in LOOPBACK_SETTINGS:
-        env.setdefault(name, loopback)
-    # Open MPI's TCP transport listens on every interface whatever it is told to use; local ranks meet in
-    # shared memory without it.
-    env.setdefault("OMPI_MCA_btl", "^tcp")
+    if hosts is None:  # across hosts the transports take the interfaces that reach the others, as they choose
+        loopback = loopback_interface()
+        for name in LOOPBACK_SETTINGS:
+            env.setdefault(name, loopback)
+        # Open MPI's TCP transport listens on every interface whatever it is told to use; local ranks meet in
+        # shared memory without it.
+        env.setdefault("OMPI_MCA_btl", "^tcp")
     import hpdl
 
     source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
@@ -176,19 +184,25 @@ def run(
     timeout: Optional[float] = None,
     name: str = "hpdl launch",
     python_options: Sequence[str] = (),
+    hosts: Optional[Hosts] = None,
+    rsh: str = "ssh",
 ) -> int:
     """Run `python -m hpdl.runtime.run_rank *target` on `nprocs` ranks and return the job's exit code.
 
     `target` is what follows `python` on a command line: a script and its
     arguments, or `-m module ...`; `python_options` (`-O`, `-X dev`, ...) go to
-    every rank's interpreter.
+    every rank's interpreter. With `hosts`, the ranks run on those hosts (MPI
+    only), started through the remote shell `rsh`.
     """
     command = [sys.executable, *python_options, "-u", "-m", "hpdl.runtime.run_rank", *target]
     env = job_environment(backend, nprocs) if env is None else env
     job_dir = tempfile.mkdtemp(prefix="hpdl-job-")
     try:
         with _terminate_as_interrupt():
-            return _run_job(nprocs, command, backend, {**env, JOB_DIR: job_dir}, tag_output, timeout, name)
+            job = {**env, JOB_DIR: job_dir}
+            return _run_job(
+                nprocs, command, backend, job, tag_output, timeout, name, Remote(hosts, rsh) if hosts else None
+            )
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
 
@@ -218,8 +232,11 @@ def _run_job(
     tag_output: bool,
     timeout: Optional[float],
     name: str,
+    remote: Optional[Remote] = None,
 ) -> int:
-    if backend == "mpi":
+    if remote is not None:
+        children, pumps = _spawn_mpi_hosts(nprocs, command, env, tag_output, remote)
+    elif backend == "mpi":
         children, pumps = _spawn_mpi(nprocs, command, env, tag_output)
     else:
         children, pumps = _spawn_torch(nprocs, command, env, tag_output)
@@ -242,7 +259,29 @@ def _run_job(
             code = _said_exits(getattr(child, "hpdl_ended", {}), code, env[JOB_DIR], name)
         if getattr(child, "hpdl_forker", False):
             remove_forker_segments(child.pid)  # left behind where ranks were killed
+    if remote is not None and code != 0:
+        remote.remove_leftovers(name)
     return code
+
+
+@dataclass(frozen=True)
+class Remote:
+    """The hosts of a job across machines and the remote shell that reaches them (ssh, or a stand-in)."""
+
+    hosts: Hosts
+    rsh: str
+
+    def remove_leftovers(self, name: str) -> None:
+        """On every host, the MPI segments a failed job's ranks left (hpdl.runtime.shm_leftovers: only files that
+        nothing maps or holds open); a host that does not answer within seconds is skipped, and said."""
+        clean = [sys.executable, "-m", "hpdl.runtime.shm_leftovers", "--settle", "0.5"]
+        for host, _ in self.hosts.slots:
+            try:
+                subprocess.run(
+                    [self.rsh, host, *clean], capture_output=True, timeout=GRACE_SECONDS * 2, stdin=subprocess.DEVNULL
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                print(f"{name}: host {host} did not answer; its /dev/shm may keep this job's segments", file=sys.stderr)
 
 
 def remove_forker_segments(pid: int, root: str = "/dev/shm") -> list[str]:
@@ -291,6 +330,7 @@ def supervise(
     A rank that reported its failure in `job_dir` (`hpdl.runtime.rank_failure`) has said why; the others say
     where they were stopped."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    failed_at: Optional[float] = None
     while True:
         codes = [child.poll() for child in children]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -312,6 +352,18 @@ def supervise(
             print(f"{name}: stopped after the timeout of {timeout:g} s", file=sys.stderr, flush=True)
             stop(children, signal.SIGTERM)
             return TIMED_OUT
+        if job_dir is not None and failed_at is None and first_failure(job_dir) is not None:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAILED_JOB_GRACE:
+            # an MPI launcher that cannot reach a lost host waits for it (Hydra, for ever): the job is over
+            print(
+                f"{name}: the job has not ended {FAILED_JOB_GRACE:g} s after {first_failure(job_dir)}; stopping it "
+                "(a host may be unreachable)",
+                file=sys.stderr,
+                flush=True,
+            )
+            stop(children, signal.SIGTERM)
+            return 1
         time.sleep(0.05)
 
 
@@ -401,6 +453,38 @@ def _spawn_mpi(
         for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
             relay: tuple[Any, ...] = (_launcher_lines, ended) if flavour == "gforker" else (_relabel_lines,)
             pump = threading.Thread(target=relay[0], args=(source, sink, *relay[1:]), daemon=True)
+            pump.start()
+            pumps.append(pump)
+    return [child], pumps
+
+
+def _spawn_mpi_hosts(
+    nprocs: int, command: list[str], env: dict[str, str], tag_output: bool, remote: Remote
+) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
+    """The ranks on the hosts, through the site's launcher: Hydra's `-hosts` or Open MPI's `-H`, each with `rsh`.
+
+    The ranks' output comes through the launcher (no descriptor crosses a remote shell), tagged with `[rank]`
+    when asked. A rank on another host finds no job folder: it reports its failure as a first one.
+    """
+    mpiexec = find_mpiexec()
+    flavour = _mpiexec_flavour(mpiexec)
+    spec = remote.hosts.spec(nprocs)
+    if flavour == "openmpi":
+        argv = [mpiexec, "-H", spec, "--mca", "plm_rsh_agent", remote.rsh, "-np", str(nprocs)]
+        argv += ["--tag-output"] if tag_output else []
+    else:  # Hydra (MPICH, MVAPICH, Intel MPI)
+        argv = [mpiexec, "-hosts", spec, "-launcher", "ssh", "-launcher-exec", remote.rsh, "-n", str(nprocs)]
+        argv += ["-prepend-rank"] if tag_output else []
+    pipe = subprocess.PIPE if tag_output and flavour == "openmpi" else None
+    child = subprocess.Popen(
+        argv + command, env=env, stdout=pipe, stderr=pipe, stdin=subprocess.DEVNULL, **_process_group(0)
+    )
+    child.hpdl_group = True  # type: ignore[attr-defined]
+    pumps: list[threading.Thread] = []
+    if pipe is not None:
+        assert child.stdout is not None and child.stderr is not None
+        for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+            pump = threading.Thread(target=_relabel_lines, args=(source, sink), daemon=True)
             pump.start()
             pumps.append(pump)
     return [child], pumps

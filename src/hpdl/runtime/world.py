@@ -22,9 +22,9 @@ from typing import Any, Optional
 from hpdl.comm.base import Communicator, default_debug, default_timeout
 from hpdl.errors import BackendUnavailableError, CommError, CommTimeoutError, NotInitializedError
 from hpdl.runtime.environment import BACKENDS, Launch, detect, is_loopback, loopback_interface
-from hpdl.runtime.store import listen_for_store, open_store_over_mpi, rendezvous_store, store_host
+from hpdl.runtime.store import listen_for_store, open_store_over_mpi, rendezvous_store
 
-__all__ = ["init", "finalize", "world", "is_initialized"]
+__all__ = ["broken", "init", "finalize", "world", "is_initialized"]
 
 _worlds: dict[str, Communicator] = {}
 _current: Optional[Communicator] = None
@@ -91,6 +91,11 @@ def abandon() -> None:
         comm._broken = True
 
 
+def broken() -> Optional[Communicator]:
+    """A world communicator that a communication failure broke (a timeout, a lost peer), if any."""
+    return next((comm for comm in _worlds.values() if comm._broken), None)
+
+
 def world() -> Communicator:
     """The communicator from the latest `init()`; NotInitializedError before it or after `finalize()`."""
     if _current is None:
@@ -106,6 +111,7 @@ def _mpi_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     from hpdl.comm.mpi_backend import MPI, MpiCommunicator  # (Open MPI's settings: chosen at `import hpdl`)
 
     comm = MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug, read_tuning=True)
+    comm.hosts = MPI.COMM_WORLD.allgather(socket.gethostname())
     if launch.size is not None and launch.size != comm.size:
         raise BackendUnavailableError(
             f"the launcher ({launch.launcher}) started {launch.size} ranks but MPI sees {comm.size}: mpi4py is "
@@ -141,6 +147,7 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
         store = dist.TCPStore(store.host, store.port, size, is_master=False, timeout=span)
     comm = TorchCommunicator(None, store, local_rank=0, local_size=1, timeout=timeout, debug=debug)
     hosts = comm.allgather_object(socket.gethostname())
+    comm.hosts = hosts
     same_node = [r for r, host in enumerate(hosts) if host == hosts[comm.rank]]
     comm.local_rank, comm.local_size = same_node.index(comm.rank), len(same_node)
     return comm
@@ -159,8 +166,8 @@ def _torch_rendezvous(launch: Launch, span: Any) -> tuple[int, int, Any]:
 
     mpi = MPI.COMM_WORLD
     rank, size = mpi.Get_rank(), mpi.Get_size()
-    host = store_host(mpi.allgather(socket.gethostname()))
-    return rank, size, open_store_over_mpi(lambda told: mpi.bcast(told, root=0), rank, size, host, span, "hpdl.init")
+    store = open_store_over_mpi(lambda told: mpi.bcast(told, root=0), mpi.allgather, rank, size, span, "hpdl.init")
+    return rank, size, store
 
 
 def _close_torch(comm: Communicator) -> None:
