@@ -105,6 +105,7 @@ LONGEST_FIRST = (
     "test_launcher.py",  # 135
     "test_examples.py",  # 125
     "test_launchers.py",  # 45: six real launchers
+    "test_multihost.py",  # 50: two simulated hosts
     "test_docs.py",  # 40
     "test_ml_bench.py",
     "test_dask_cluster.py",

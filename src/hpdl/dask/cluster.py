@@ -16,7 +16,6 @@ import atexit
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any, Callable, Optional, TypeVar
@@ -84,8 +83,7 @@ def _check_size(size: int, needs_client: bool) -> None:
 def _agree_on_hosts(options: ClusterOptions) -> None:
     """Every rank, before its Dask role: the mpi:// hub learns the ranks' hosts, tcp:// its listeners' host."""
     if options.protocol != "mpi":
-        hosts = _world().allgather(socket.gethostname())
-        options.tcp_host = _tcp_host(hosts)
+        options.tcp_host = _tcp_host(_world())
         return
     from hpdl.dask.connection import get_hub
 
@@ -93,10 +91,17 @@ def _agree_on_hosts(options: ClusterOptions) -> None:
     hub.set_hosts(_collective(options, lambda: _world().allgather(hub.hostname)))
 
 
-def _tcp_host(hosts: list[str]) -> Optional[str]:
-    """HPDL_BIND_ADDR, else loopback when every rank is on this machine (no one off it has a reason to
-    connect), else Dask's choice (this host's address)."""
-    return os.environ.get("HPDL_BIND_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else None)
+def _tcp_host(world: Any) -> Optional[str]:
+    """Where this rank's tcp:// listener binds (collective): loopback when every rank is on this machine (no one
+    off it has a reason to connect); across hosts the scheduler an address of its that every rank reaches (or
+    HPDL_BIND_ADDR: hpdl.runtime.addresses, never a host name's lookup), and each other rank its own address on
+    the route toward it."""
+    from hpdl.runtime.addresses import LOOPBACK, agree_address, route_source
+
+    agreed = agree_address(lambda value: world.bcast(value, root=SCHEDULER), world.allgather, world.rank, "hpdl dask")
+    if world.rank == SCHEDULER or agreed == LOOPBACK:
+        return agreed
+    return route_source(agreed)
 
 
 async def _scheduler(options: ClusterOptions, scheduler_file: Optional[str]) -> None:

@@ -1,0 +1,172 @@
+"""hpdl across hosts, on a simulated cluster of two hosts (network and UTS namespaces on a bridge, made here).
+
+`hpdl launch -n 4 -H a:2,b:2` runs from host a, reaching host b through the cluster's remote shell, as users run
+it with ssh: every collective across the hosts, the ranks' places on their hosts from the real host names, the
+hierarchical allreduce across the hosts with shared memory inside each; DDP on the "hpdl" torch backend, Horovod's
+optimizer, ZeRO-3 and a pipeline with one stage per host equal to one process, and K-Means on rows held on both
+hosts equal to scikit-learn. Then the faults: a host's link pulled mid-collective, and every process
+of a host killed. Where namespaces cannot be made (no root, no CAP_NET_ADMIN) the tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import numpy as np
+import pytest
+import sklearn.cluster
+from sklearn.datasets import load_digits
+
+from hpdl.runtime import sim_cluster
+from torch_backend_training import reference
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "scripts", "multihost_job.py")
+HPDL = [sys.executable, "-m", "hpdl.cli.main"]
+TIMEOUT = 5.0
+"""HPDL_TIMEOUT of the fault tests: a lost host's job must end within it plus a bounded margin."""
+
+why_not = sim_cluster.available()
+pytestmark = pytest.mark.skipif(why_not is not None, reason=f"no simulated cluster here: {why_not}")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[sim_cluster.Cluster]:
+    name = f"hpdlm{os.environ.get('PYTEST_XDIST_WORKER', '')}"
+    made = sim_cluster.up(2, None, name)
+    try:
+        yield made
+    finally:
+        sim_cluster.down(name)
+
+
+def on_host_a(cluster: sim_cluster.Cluster, command: str, **popen: object) -> subprocess.Popen:
+    """`command` run on host a (as `ssh a command`), its output captured."""
+    env = dict(os.environ, HPDL_CLUSTER=cluster.name, OMP_NUM_THREADS="1", PYTHONPATH=HERE)
+    argv = [*HPDL, "cluster", "--name", cluster.name, "exec", "a", command]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)  # type: ignore[call-overload]
+
+
+def launch_line(script: str) -> str:
+    return f"{sys.executable} -m hpdl.cli.main launch -n 4 -H a:2,b:2 --launcher-exec hpdl-cluster-rsh {script}"
+
+
+def test_a_job_across_two_hosts_runs_every_collective_and_trains_as_one_process(cluster, tmp_path):
+    job = on_host_a(cluster, f"{launch_line(JOB)} {tmp_path}")
+    output, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, output
+    results = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(4)]
+    one_process = reference()
+    for rank, result in enumerate(results):
+        assert result["host"] == "ab"[rank // 2], result  # ranks fill host a, then b
+        assert result["local"] == [rank % 2, 2] and result["hosts"] == ["a", "a", "b", "b"], result
+        assert len(result["collectives"]) == 6, result  # each checked against its closed form on the rank
+        assert result["shm"].startswith("on: 2 ranks per node share"), result  # shared memory inside each host
+        assert result["across_nodes"], result  # the hierarchical allreduce's leaders talk across the hosts
+        assert result["ucx_tls"] == "tcp,self", result  # inter-host data pinned to the network
+        for part in ("ddp", "horovod", "zero3"):
+            assert_same(result[part], one_process, f"{part} on rank {rank}")
+        stage = result["pipeline"]  # ranks 0 and 1 hold layers 0-2 (host a), ranks 2 and 3 layers 3-4 (host b)
+        assert stage["first_layer"] == (0 if rank < 2 else 3), stage
+        held = one_process[:4] if rank < 2 else one_process[4:]  # two Linear layers' weight and bias each side
+        assert_same(stage["params"], held, f"pipeline stage on rank {rank}")
+        assert result["kmeans"] == results[0]["kmeans"], rank  # the same centres on every rank
+    digits = load_digits().data
+    sk = sklearn.cluster.KMeans(10, init=digits[np.arange(10) * 150], n_init=1).fit(digits)
+    assert np.allclose(results[0]["kmeans"], sk.cluster_centers_, rtol=1e-9, atol=1e-9)
+    assert "Traceback" not in output, output
+
+
+LOOP = """
+import sys, time
+import torch
+import hpdl
+from hpdl.errors import CommError
+comm = hpdl.init()
+x = torch.ones(1 << 14)
+try:
+    for i in range(1000000):
+        comm.allreduce(x)
+        time.sleep(0.01)
+        if i == 30 and comm.rank == 0:
+            print("READY", flush=True)
+except CommError as error:
+    print(f"rank {comm.rank} caught: {error}", flush=True)
+    pass  # a careful script that goes on: it must still end
+"""
+
+
+def test_a_pulled_link_ends_every_reachable_rank_and_the_launcher_within_the_timeout_and_names_the_host(
+    cluster, tmp_path
+):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    job = on_host_a(cluster, f"HPDL_TIMEOUT={TIMEOUT:g} {launch_line(str(script))}")
+    assert job.stdout is not None
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if "READY" in line:
+            break
+    cut = time.monotonic()
+    try:
+        sim_cluster.set_link(cluster, "b", "down")
+        output = "".join(seen) + job.communicate(timeout=TIMEOUT + 60)[0]
+        ended = time.monotonic() - cut
+    finally:
+        sim_cluster.set_link(cluster, "b", "up")
+    assert job.returncode == 1, output
+    assert ended < TIMEOUT + 15, f"ended {ended:.1f} s after the cut\n{output}"
+    for rank in (0, 1):
+        assert re.search(
+            rf"rank {rank} caught: allreduce #\d+ did not complete within {TIMEOUT:.1f} s on rank {rank} of 4 "
+            r"\(mpi\)\. "
+            r"ranks 0, 1 are in allreduce #\d+; ranks 2, 3 gave no progress report\. Did not arrive: ranks 2, 3 on "
+            r"host b \(no progress report: their host is unreachable",
+            output,
+        ), output
+        assert f"hpdl: rank {rank} ended after a communication failure on mpi (its script went on)" in output, output
+    assert "Every rank must call the same collectives" not in output, output  # not a wrong call: a lost host
+
+
+def test_a_host_whose_processes_all_die_ends_the_job_within_seconds(cluster, tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    job = on_host_a(cluster, f"HPDL_TIMEOUT=60 {launch_line(str(script))}")
+    assert job.stdout is not None
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if "READY" in line:
+            break
+    gone = time.monotonic()
+    pids = subprocess.run(["ip", "netns", "pids", cluster.namespace("b")], capture_output=True, text=True).stdout
+    for pid in pids.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    output = "".join(seen) + job.communicate(timeout=60)[0]
+    assert job.returncode != 0, output
+    assert time.monotonic() - gone < 15, output  # not the 60 s collective timeout
+
+
+def assert_same(got: list, want: list, what: str) -> None:
+    """float64 parameters equal to one process's after a few steps (sums in another order: 1e-12)."""
+    flat_got, flat_want = _flat(got), _flat(want)
+    assert len(flat_got) == len(flat_want), what
+    worst = max(abs(a - b) for a, b in zip(flat_got, flat_want))
+    assert worst < 1e-12, f"{what}: differs from one process by {worst}"
+
+
+def _flat(value: object) -> list[float]:
+    if isinstance(value, list):
+        return [v for item in value for v in _flat(item)]
+    return [float(value)]  # type: ignore[arg-type]
