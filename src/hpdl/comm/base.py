@@ -25,9 +25,9 @@ from hpdl.comm.progress import (
     State,
     describe_laggards,
     different_collectives,
+    lost_hosts,
     mismatched,
     positions,
-    silent_only,
 )
 from hpdl.comm.tensors import (
     ArrayLike,
@@ -523,7 +523,7 @@ class Communicator(ABC):
         detail, missing = describe_laggards(states, self.rank, seq, op, self.hosts)
         advice = (
             "If they are only slow, raise the limit with hpdl.init(timeout=...) or HPDL_TIMEOUT."
-            if silent_only(states, missing)
+            if lost_hosts(states, missing, self.rank, self.hosts)
             else "Every rank must call the same collectives in the same order: run with HPDL_DEBUG=1 to compare "
             "call sites, or raise the limit with hpdl.init(timeout=...) or HPDL_TIMEOUT if the work is only slow."
         )

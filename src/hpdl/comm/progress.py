@@ -102,9 +102,12 @@ def describe_laggards(
 _SILENT = "no progress report: their host is unreachable, or their processes are gone or busy outside hpdl"
 
 
-def silent_only(states: Optional[list[State]], missing: list[int]) -> bool:
-    """Whether every rank that did not arrive sent no progress report at all (lost, not late or elsewhere)."""
-    return states is not None and bool(missing) and all(states[r] is None for r in missing)
+def lost_hosts(states: Optional[list[State]], missing: list[int], rank: int, hosts: Optional[list[str]]) -> bool:
+    """Whether every rank that did not arrive is on another host than `rank` and sent no progress report at all:
+    a host lost (its link, its processes), not a rank that is late or called something else."""
+    if states is None or not missing or not hosts:
+        return False
+    return all(states[r] is None and hosts[r] != hosts[rank] for r in missing)
 
 
 def _on_hosts(ranks: list[int], hosts: Optional[list[str]]) -> str:
