@@ -3,9 +3,10 @@
 `hpdl launch -n 4 -H a:2,b:2` runs from host a, reaching host b through the cluster's remote shell, as users run
 it with ssh: every collective across the hosts, the ranks' places on their hosts from the real host names, the
 hierarchical allreduce across the hosts with shared memory inside each; DDP on the "hpdl" torch backend, Horovod's
-optimizer, ZeRO-3 and a pipeline with one stage per host equal to one process, and K-Means on rows held on both
-hosts equal to scikit-learn. Then the faults: a host's link pulled mid-collective, and every process
-of a host killed. Where namespaces cannot be made (no root, no CAP_NET_ADMIN) the tests skip, saying why.
+optimizer, ZeRO-3, a Lightning fit and a pipeline with one stage per host equal to one process, K-Means on rows
+held on both hosts equal to scikit-learn. A Dask cluster over mpi:// has workers on both hosts. Then the faults: a
+host's link pulled mid-collective, and every process of a host killed. Where namespaces cannot be made (no root,
+no CAP_NET_ADMIN) the tests skip, saying why.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_a_job_across_two_hosts_runs_every_collective_and_trains_as_one_process(
         assert result["shm"].startswith("on: 2 ranks per node share"), result  # shared memory inside each host
         assert result["across_nodes"], result  # the hierarchical allreduce's leaders talk across the hosts
         assert result["ucx_tls"] == "tcp,self", result  # inter-host data pinned to the network
-        for part in ("ddp", "horovod", "zero3"):
+        for part in ("ddp", "horovod", "zero3", "lightning"):
             assert_same(result[part], one_process, f"{part} on rank {rank}")
         stage = result["pipeline"]  # ranks 0 and 1 hold layers 0-2 (host a), ranks 2 and 3 layers 3-4 (host b)
         assert stage["first_layer"] == (0 if rank < 2 else 3), stage
@@ -82,6 +83,33 @@ def test_a_job_across_two_hosts_runs_every_collective_and_trains_as_one_process(
     sk = sklearn.cluster.KMeans(10, init=digits[np.arange(10) * 150], n_init=1).fit(digits)
     assert np.allclose(results[0]["kmeans"], sk.cluster_centers_, rtol=1e-9, atol=1e-9)
     assert "Traceback" not in output, output
+
+
+DASK = """
+import socket
+import dask.dataframe as dd
+import pandas as pd
+from distributed import get_client
+
+frame = pd.DataFrame({"key": [i % 7 for i in range(20000)], "value": range(20000)})
+grouped = dd.from_pandas(frame, npartitions=8).groupby("key").value.sum().compute().sort_index()
+assert grouped.equals(frame.groupby("key").value.sum().sort_index()), grouped
+hosts = sorted(get_client().run(socket.gethostname).values())
+print("workers on", hosts, "client on", socket.gethostname(), "protocol", get_client().scheduler.address.split(":")[0])
+"""
+
+
+def test_a_dask_cluster_over_mpi_has_workers_on_both_hosts(cluster, tmp_path):
+    script = tmp_path / "dask_job.py"
+    script.write_text(DASK)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    hydra = f"{mpiexec} -hosts a:3,b:2 -launcher ssh -launcher-exec hpdl-cluster-rsh -n 5"
+    line = f"{hydra} {sys.executable} -m hpdl.cli.main dask {script}"
+    job = on_host_a(cluster, line)
+    output, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, output
+    # rank 0 the scheduler and rank 1 the client on host a; the workers: rank 2 on a, ranks 3 and 4 on b
+    assert "workers on ['a', 'b', 'b'] client on a protocol mpi" in output, output
 
 
 LOOP = """

@@ -3,7 +3,7 @@
 `python multihost_job.py OUT_DIR` writes OUT_DIR/rank-N.json with what this rank saw: its host and place on it,
 the collectives' results (checked against their closed forms here), the paths the allreduce took, and the
 parameters after DDP steps on the "hpdl" torch backend, Horovod's DistributedOptimizer, a pipeline with one stage
-per host and ZeRO-3, and K-Means's centres on rows held on both hosts.
+per host, ZeRO-3 and a Lightning fit, and K-Means's centres on rows held on both hosts.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from launcher_job import lightning
 from torch import nn
 
 import hpdl
@@ -124,6 +125,7 @@ def kmeans(comm: hpdl.Communicator) -> list:
 
 
 if __name__ == "__main__":
+    os.environ["JOB_SCRATCH"] = sys.argv[1]  # Lightning's folder
     comm = hpdl.init()
     result = {
         "rank": comm.rank,
@@ -139,6 +141,7 @@ if __name__ == "__main__":
         "zero3": zero3(comm),
         "kmeans": kmeans(comm),
         "ddp": ddp(),
+        "lightning": lightning()["params"],  # on the group ddp() made
         "ucx_tls": os.environ.get("UCX_TLS"),
     }
     with open(os.path.join(sys.argv[1], f"rank-{comm.rank}.json"), "w") as out:
