@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from torch_backend_training import reference
+from torch_backend_training import assert_same_params, reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "scripts", "launcher_job.py")
@@ -92,7 +92,7 @@ def test_the_launcher_runs_collectives_horovod_and_training_equal_to_one_process
         assert horovod["mean"] == pytest.approx((size - 1) / 2), horovod
         for part in ("horovod", "ddp", "accelerate", "lightning"):
             if part in result:
-                assert_same(result[part]["params"], one_process, f"{name}: {part}")
+                assert_same_params(result[part]["params"], one_process, f"{name}: {part}")
         for part in ("ddp", "lightning"):
             if part in result:
                 assert result[part]["backend"] == "hpdl", result[part]
@@ -103,18 +103,3 @@ def test_the_launcher_runs_collectives_horovod_and_training_equal_to_one_process
             assert result["refusal"].startswith("LaunchError: init_process_group('hpdl'): this process was started")
             assert "Use backend 'gloo' or 'nccl'" in result["refusal"], result["refusal"]
     assert "Traceback" not in output, output
-
-
-def assert_same(got: list, want: list, what: str) -> None:
-    """Parameters equal to one process's: float64, a few steps (sums in another order: 1e-12)."""
-    flat_got = [v for p in got for v in _flatten(p)]
-    flat_want = [v for p in want for v in _flatten(p)]
-    assert len(flat_got) == len(flat_want), what
-    worst = max(abs(a - b) for a, b in zip(flat_got, flat_want))
-    assert worst < 1e-12, f"{what}: differs from one process by {worst}"
-
-
-def _flatten(value: object) -> list[float]:
-    if isinstance(value, list):
-        return [v for item in value for v in _flatten(item)]
-    return [float(value)]  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import sklearn.cluster
 from sklearn.datasets import load_digits
 
 from hpdl.runtime import sim_cluster
-from torch_backend_training import reference
+from torch_backend_training import assert_same_params, reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "scripts", "multihost_job.py")
@@ -55,6 +55,17 @@ def on_host_a(cluster: sim_cluster.Cluster, command: str, **popen: object) -> su
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)  # type: ignore[call-overload]
 
 
+def until_ready(job: subprocess.Popen) -> list[str]:
+    """The job's lines up to rank 0's READY (its loop of collectives runs on every rank)."""
+    assert job.stdout is not None
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if "READY" in line:
+            break
+    return seen
+
+
 def launch_line(script: str) -> str:
     return f"{sys.executable} -m hpdl.cli.main launch -n 4 -H a:2,b:2 --launcher-exec hpdl-cluster-rsh {script}"
 
@@ -73,11 +84,11 @@ def test_a_job_across_two_hosts_runs_every_collective_and_trains_as_one_process(
         assert result["across_nodes"], result  # the hierarchical allreduce's leaders talk across the hosts
         assert result["ucx_tls"] == "tcp,self", result  # inter-host data pinned to the network
         for part in ("ddp", "horovod", "zero3", "lightning"):
-            assert_same(result[part], one_process, f"{part} on rank {rank}")
+            assert_same_params(result[part], one_process, f"{part} on rank {rank}")
         stage = result["pipeline"]  # ranks 0 and 1 hold layers 0-2 (host a), ranks 2 and 3 layers 3-4 (host b)
         assert stage["first_layer"] == (0 if rank < 2 else 3), stage
         held = one_process[:4] if rank < 2 else one_process[4:]  # two Linear layers' weight and bias each side
-        assert_same(stage["params"], held, f"pipeline stage on rank {rank}")
+        assert_same_params(stage["params"], held, f"pipeline stage on rank {rank}")
         assert result["kmeans"] == results[0]["kmeans"], rank  # the same centres on every rank
     digits = load_digits().data
     sk = sklearn.cluster.KMeans(10, init=digits[np.arange(10) * 150], n_init=1).fit(digits)
@@ -137,12 +148,7 @@ def test_a_pulled_link_ends_every_reachable_rank_and_the_launcher_within_the_tim
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     job = on_host_a(cluster, f"HPDL_TIMEOUT={TIMEOUT:g} {launch_line(str(script))}")
-    assert job.stdout is not None
-    seen = []
-    for line in job.stdout:
-        seen.append(line)
-        if "READY" in line:
-            break
+    seen = until_ready(job)
     cut = time.monotonic()
     try:
         sim_cluster.set_link(cluster, "b", "down")
@@ -168,12 +174,7 @@ def test_a_host_whose_processes_all_die_ends_the_job_within_seconds(cluster, tmp
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     job = on_host_a(cluster, f"HPDL_TIMEOUT=60 {launch_line(str(script))}")
-    assert job.stdout is not None
-    seen = []
-    for line in job.stdout:
-        seen.append(line)
-        if "READY" in line:
-            break
+    seen = until_ready(job)
     gone = time.monotonic()
     pids = subprocess.run(["ip", "netns", "pids", cluster.namespace("b")], capture_output=True, text=True).stdout
     for pid in pids.split():
@@ -184,17 +185,3 @@ def test_a_host_whose_processes_all_die_ends_the_job_within_seconds(cluster, tmp
     output = "".join(seen) + job.communicate(timeout=60)[0]
     assert job.returncode != 0, output
     assert time.monotonic() - gone < 15, output  # not the 60 s collective timeout
-
-
-def assert_same(got: list, want: list, what: str) -> None:
-    """float64 parameters equal to one process's after a few steps (sums in another order: 1e-12)."""
-    flat_got, flat_want = _flat(got), _flat(want)
-    assert len(flat_got) == len(flat_want), what
-    worst = max(abs(a - b) for a, b in zip(flat_got, flat_want))
-    assert worst < 1e-12, f"{what}: differs from one process by {worst}"
-
-
-def _flat(value: object) -> list[float]:
-    if isinstance(value, list):
-        return [v for item in value for v in _flat(item)]
-    return [float(value)]  # type: ignore[arg-type]

@@ -48,6 +48,20 @@ def reference(steps: int = STEPS) -> list:
     return [p.detach().tolist() for p in model.parameters()]
 
 
+def assert_same_params(got: list, want: list, what: str) -> None:
+    """float64 parameters (nested lists) equal to one process's after a few steps: sums in another order, 1e-12."""
+    flat_got, flat_want = _flat(got), _flat(want)
+    assert len(flat_got) == len(flat_want), what
+    worst = max(abs(a - b) for a, b in zip(flat_got, flat_want))
+    assert worst < 1e-12, f"{what}: differs from one process by {worst}"
+
+
+def _flat(value: object) -> list[float]:
+    if isinstance(value, list):
+        return [v for item in value for v in _flat(item)]
+    return [float(value)]  # type: ignore[arg-type]
+
+
 def _shard(g: Any) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = data()
     rank, size = dist.get_rank(g), dist.get_world_size(g)

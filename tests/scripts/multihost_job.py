@@ -15,11 +15,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from launcher_job import lightning
+from launcher_job import ddp, horovod, lightning
 from torch import nn
 
 import hpdl
-from torch_backend_training import BATCH, LR, STEPS, _train, data, make_model
+from torch_backend_training import BATCH, LR, STEPS, data, make_model
 
 
 def expect(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -48,36 +48,6 @@ def collectives(comm: hpdl.Communicator) -> list[str]:
             done.append(f"{dtype} {count}")
     comm.barrier()
     return done
-
-
-def ddp() -> list:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    dist.init_process_group("hpdl")
-    model = make_model()
-    wrapped = DDP(model, bucket_cap_mb=0.0005)
-    x, y = data()
-    per = BATCH // dist.get_world_size()
-    rank = dist.get_rank()
-    _train(wrapped, wrapped.parameters(), x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-    return [p.detach().tolist() for p in model.parameters()]
-
-
-def horovod() -> list:
-    import hpdl.horovod as hvd
-
-    hvd.init()
-    model = make_model()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
-    x, y = data()
-    per = BATCH // hvd.size()
-    xs, ys = x[hvd.rank() * per : (hvd.rank() + 1) * per], y[hvd.rank() * per : (hvd.rank() + 1) * per]
-    for _ in range(STEPS):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(xs), ys).backward()
-        opt.step()
-    return [p.detach().tolist() for p in model.parameters()]
 
 
 def pipeline(comm: hpdl.Communicator) -> dict:
@@ -136,11 +106,11 @@ if __name__ == "__main__":
         "collectives": collectives(comm),
         "shm": comm.shm_status,  # type: ignore[attr-defined]
         "across_nodes": comm._cross is not None,  # type: ignore[attr-defined]
-        "horovod": horovod(),
+        "horovod": horovod()["params"],
         "pipeline": pipeline(comm),
         "zero3": zero3(comm),
         "kmeans": kmeans(comm),
-        "ddp": ddp(),
+        "ddp": ddp()["params"],
         "lightning": lightning()["params"],  # on the group ddp() made
         "ucx_tls": os.environ.get("UCX_TLS"),
     }
