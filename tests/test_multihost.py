@@ -185,3 +185,31 @@ def test_a_host_whose_processes_all_die_ends_the_job_within_seconds(cluster, tmp
     output = "".join(seen) + job.communicate(timeout=60)[0]
     assert job.returncode != 0, output
     assert time.monotonic() - gone < 15, output  # not the 60 s collective timeout
+
+
+def test_the_cluster_bench_times_every_contender_against_the_link_bound(tmp_path):
+    """`hpdl bench cluster --quick` (its own cluster, one 1 Gbit/s link, 1 MiB): every row, every target line."""
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [*HPDL, "bench", "cluster", "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = json.loads((out / "cluster-1gbit.json").read_text())
+    rows = {(r["op"], r["contender"]) for r in records}
+    assert rows == {
+        ("allreduce", "hpdl hierarchical"), ("allreduce", "hpdl flat"), ("allreduce", "MPI"),
+        ("allgather", "hpdl"), ("allgather", "MPI"), ("reduce_scatter", "hpdl"), ("reduce_scatter", "MPI"),
+    }  # fmt: skip
+    for record in records:
+        assert record["n"] == 3 and record["bytes"] == 1 << 20 and record["link"] == "1gbit", record
+        # a shaped link bounds every contender: none can beat it (a little slack for the bucket's burst)
+        assert 0 < record["fraction_of_bound"] < 1.3, record
+    markdown = (out / "cluster-1gbit.md").read_text()
+    hierarchical, mpi = (next(r for r in records if r["op"] == "allreduce" and r["contender"] == c) for c in
+                         ("hpdl hierarchical", "MPI"))  # fmt: skip
+    fraction, speedup = hierarchical["fraction_of_bound"], mpi["median"] / hierarchical["median"]
+    verdict = "PASS" if fraction >= 0.85 else "MISS"  # each target line says its number and the verdict it earns
+    assert f"- {verdict} hierarchical allreduce at 1 MiB: {fraction:.0%} of the link bound (>= 85%)" in markdown
+    verdict = "PASS" if speedup >= 1.1 else "MISS"
+    assert f"- {verdict} hierarchical allreduce {speedup:.2f}x MPICH's allreduce (>= 1.1x)" in markdown
+    assert "hpdlbench" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

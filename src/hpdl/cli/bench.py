@@ -14,6 +14,7 @@ KINDS = {
     "dask": "hpdl.bench.dask_transport",
     "gpu": "hpdl.bench.gpu_check",
     "torch": "hpdl.bench.torch_backend",
+    "cluster": "hpdl.bench.cluster",
 }
 
 
