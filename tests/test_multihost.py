@@ -213,3 +213,43 @@ def test_the_cluster_bench_times_every_contender_against_the_link_bound(tmp_path
     verdict = "PASS" if speedup >= 1.1 else "MISS"
     assert f"- {verdict} hierarchical allreduce {speedup:.2f}x MPICH's allreduce (>= 1.1x)" in markdown
     assert "hpdlbench" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+RESTART_JOB = os.path.join(HERE, "scripts", "restart_job.py")
+
+
+def test_a_job_that_loses_a_host_resumes_on_the_hosts_that_remain_with_max_restarts(cluster, tmp_path):
+    """Host b's link pulled mid-training: the job fails within the timeout, `--max-restarts 1` starts it again on
+    host a alone (2 ranks), and the Trainer resumes from the last checkpoint with no code in the script; its losses
+    from there equal those of a run on that layout resumed from the same checkpoint."""
+    line = f"HPDL_TIMEOUT={TIMEOUT:g} {launch_line(RESTART_JOB)} {tmp_path}".replace(" -H ", " --max-restarts 1 -H ")
+    job = on_host_a(cluster, line)
+    checkpoint = tmp_path / "ckpt.pt"
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # a few more steps and checkpoints
+    try:
+        sim_cluster.set_link(cluster, "b", "down")
+        output = job.communicate(timeout=180)[0]
+    finally:
+        sim_cluster.set_link(cluster, "b", "up")
+    assert job.returncode == 0, output
+    assert "hpdl launch: restart 1 of 1 on a:2, without b: ssh: connect to host b port 22" in output, output
+    assert "(4 -> 2 ranks)" in output, output
+    restarted = json.loads((tmp_path / "losses-1.json").read_text())
+    assert restarted["ranks"] == 2 and restarted["host"] == "a", restarted
+    assert not (tmp_path / "losses-0.json").exists()  # the first run did not finish
+    # the reference: the same layout, resumed from the checkpoint the restart resumed from
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    resumed_from = tmp_path / "resumed-from.pt"
+    line = f"RESUME_FROM={resumed_from} {launch_line(RESTART_JOB)} {reference}".replace(
+        "-n 4 -H a:2,b:2", "-n 2 -H a:2"
+    )
+    again = on_host_a(cluster, line)
+    output = again.communicate(timeout=180)[0]
+    assert again.returncode == 0, output
+    uninterrupted = json.loads((reference / "losses-0.json").read_text())
+    assert restarted["losses"] == uninterrupted["losses"], (restarted, uninterrupted)
+    assert len(restarted["losses"]) > 2  # steps before the loss (from the checkpoint) and after it

@@ -76,6 +76,10 @@ def run_argv(argv: list[str]) -> int:
     except ValueError as error:
         print(f"hpdl cluster exec: {error}", file=sys.stderr)
         return 2
+    why = sim_cluster.unreachable(cluster, options.host)
+    if why:  # as ssh says it, and with its exit code
+        print(f"ssh: {why}", file=sys.stderr)
+        return 255
     # UCX (the mpich wheel's transport) sees one machine under every host and would move data between hosts
     # through shared memory, unshaped and unaffected by a link that is down: pinned to TCP unless chosen
     os.environ.setdefault("UCX_TLS", "tcp,self")

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from hpdl.comm.env import env_number
 from hpdl.runtime import hosts, spawn
+from hpdl.runtime.environment import RESTART_COUNT
 
 __all__ = ["add_parser", "parse", "run_argv"]
 
@@ -33,11 +34,21 @@ forms (everything after the script or module is the script's own):
   hpdl launch -n 2 --backend torch train.py         ranks over torch.distributed (gloo) instead of MPI
   hpdl launch -n 4 -H a:2,b:2 train.py              2 ranks on each of hosts a and b (as horovodrun -H)
   hpdl launch -n 8 --hostfile hosts train.py        the hosts of a hostfile (`host slots=N` or `host:N` lines)
+  hpdl launch -n 4 -H a:2,b:2 --max-restarts 1 train.py   a failed job starts again on the hosts still reachable
 """
 
 RANK_OPTIONS = ("-n", "-np", "--np", "--nprocs", "--nproc-per-node", "--nproc_per_node")
 HOST_OPTIONS = ("-H", "--hosts", "--host")
-VALUE_OPTIONS = (*RANK_OPTIONS, *HOST_OPTIONS, "--hostfile", "--launcher-exec", "--backend", "--timeout", "-m")
+VALUE_OPTIONS = (
+    *RANK_OPTIONS,
+    *HOST_OPTIONS,
+    "--hostfile",
+    "--launcher-exec",
+    "--max-restarts",
+    "--backend",
+    "--timeout",
+    "-m",
+)
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 # Interpreter options that may stand between `python` and the script; those with a value take the next word.
 PYTHON_FLAGS = {"-u", "-O", "-OO", "-B", "-E", "-s", "-S", "-I", "-b", "-bb", "-q", "-v"}
@@ -67,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--launcher-exec", default="ssh", metavar="RSH", help="the remote shell that reaches the hosts (ssh)"
     )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K",
+        help="start a failed job again, up to K times, on the hosts still reachable (HPDL_RESTART_COUNT)",
+    )  # fmt: skip
     parser.add_argument("--backend", choices=("mpi", "torch"), default="mpi", help="communication backend (mpi)")
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
     parser.add_argument("--timeout", type=float, help="seconds any collective may wait (HPDL_TIMEOUT)")
@@ -120,6 +135,8 @@ def parse(argv: list[str]) -> Command:
         raise ValueError("say how many ranks: -n N (or -np N, --nproc-per-node N)")
     if options.nprocs < 1:
         raise ValueError(f"-n {options.nprocs}: need at least one rank")
+    if options.max_restarts < 0:
+        raise ValueError(f"--max-restarts {options.max_restarts}: give 0 or more")
     if options.hosts and options.hostfile:
         raise ValueError("give the hosts once: -H a:2,b:2 or --hostfile FILE")
     options.host_list = hosts.parse_hosts(options.hosts) if options.hosts else None
@@ -178,22 +195,39 @@ def run_argv(argv: list[str]) -> int:
     if problem:
         print(f"hpdl launch: {problem}", file=sys.stderr)
         return 2
-    env = spawn.job_environment(options.backend, options.nprocs, hosts=options.host_list)
-    if options.timeout is not None:
-        env["HPDL_TIMEOUT"] = str(options.timeout)
-    if options.debug:
-        env["HPDL_DEBUG"] = "1"
-    try:
-        return spawn.run(
-            options.nprocs,
-            command.target,
-            backend=options.backend,
-            env=env,
-            tag_output=options.tag_output,
-            python_options=command.python_options,
-            hosts=options.host_list,
-            rsh=options.launcher_exec,
-        )
-    except FileNotFoundError as missing:
-        print(f"hpdl launch: {missing}", file=sys.stderr)
-        return 127
+    nprocs, host_list = options.nprocs, options.host_list
+    for restart in range(options.max_restarts + 1):
+        env = spawn.job_environment(options.backend, nprocs, hosts=host_list)
+        env[RESTART_COUNT] = str(restart)
+        if options.timeout is not None:
+            env["HPDL_TIMEOUT"] = str(options.timeout)
+        if options.debug:
+            env["HPDL_DEBUG"] = "1"
+        try:
+            code = spawn.run(
+                nprocs,
+                command.target,
+                backend=options.backend,
+                env=env,
+                tag_output=options.tag_output,
+                python_options=command.python_options,
+                hosts=host_list,
+                rsh=options.launcher_exec,
+            )
+        except FileNotFoundError as missing:
+            print(f"hpdl launch: {missing}", file=sys.stderr)
+            return 127
+        if code in (0, spawn.INTERRUPTED) or restart == options.max_restarts:
+            return code
+        if host_list is not None:
+            host_list, lost = hosts.reachable(host_list, options.launcher_exec)
+            if host_list is None:
+                print(f"hpdl launch: no host is reachable ({'; '.join(lost)}): not restarting", file=sys.stderr)
+                return code
+            before, nprocs = nprocs, min(nprocs, host_list.total)
+            where = f" on {host_list.spec(nprocs)}" + (f", without {'; '.join(lost)}" if lost else "")
+            print(f"hpdl launch: restart {restart + 1} of {options.max_restarts}{where} ({before} -> {nprocs} ranks)")
+        else:
+            print(f"hpdl launch: restart {restart + 1} of {options.max_restarts} after exit code {code}")
+        sys.stdout.flush()
+    return code

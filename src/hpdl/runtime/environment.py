@@ -13,12 +13,33 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["STORE_FD", "Launch", "detect", "is_loopback", "loopback_interface", "torch_release"]
+__all__ = [
+    "RESTART_COUNT",
+    "STORE_FD",
+    "Launch",
+    "detect",
+    "is_loopback",
+    "loopback_interface",
+    "restart_count",
+    "torch_release",
+]
+
+RESTART_COUNT = "HPDL_RESTART_COUNT"
+"""How many times `hpdl launch --max-restarts` has started this job again (0: the first run)."""
 
 STORE_FD = "HPDL_STORE_FD"
 """Set for rank 0 of a torch job whose launcher (or rank 0 itself) bound the rendezvous store's socket: its fd."""
 
 BACKENDS = ("mpi", "torch", "self")
+
+
+def restart_count() -> int:
+    """0 on a job's first run; k on its k-th restart by `hpdl launch --max-restarts` (torchrun's: its own count)."""
+    for name in (RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def torch_release() -> tuple[int, int]:

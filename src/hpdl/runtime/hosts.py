@@ -8,9 +8,11 @@ last hosts out; of more, is refused: hpdl does not oversubscribe remote hosts si
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
+from typing import Optional
 
-__all__ = ["Hosts", "parse_hostfile", "parse_hosts"]
+__all__ = ["Hosts", "parse_hostfile", "parse_hosts", "reachable"]
 
 _ENTRY = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]:]+?)(?::(?P<colon>\d+))?(?:\s+slots\s*=\s*(?P<slots>\d+))?$")
 
@@ -34,6 +36,10 @@ class Hosts:
             placed.append((host, min(n, left)))
             left -= min(n, left)
         return placed
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.slots)
 
     def spec(self, nprocs: int) -> str:
         """`a:2,b:2`, the form Hydra's `-hosts` and Open MPI's `-H` both take."""
@@ -69,3 +75,21 @@ def parse_hostfile(path: str) -> Hosts:
     if not entries:
         raise ValueError(f"{path}: no hosts in the hostfile")
     return Hosts(tuple(entries))
+
+
+def reachable(hosts: Hosts, rsh: str, seconds: float = 15.0) -> tuple[Optional[Hosts], list[str]]:
+    """The hosts that answer `rsh HOST true` within `seconds` (None if none does), and why each other did not."""
+    kept, lost = [], []
+    for host, slots in hosts.slots:
+        try:
+            done = subprocess.run(
+                [rsh, host, "true"], capture_output=True, text=True, timeout=seconds, stdin=subprocess.DEVNULL
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            lost.append(f"{host}: {error}")
+            continue
+        if done.returncode == 0:
+            kept.append((host, slots))
+        else:
+            lost.append(f"{host}: {(done.stderr.strip().splitlines() or [f'exit code {done.returncode}'])[-1]}")
+    return (Hosts(tuple(kept)) if kept else None), lost

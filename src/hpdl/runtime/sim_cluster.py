@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import string
 import subprocess
 from dataclasses import asdict, dataclass
@@ -173,6 +174,36 @@ def down(name: str = "hpdl") -> None:
         os.unlink(_state_path(name))
     except OSError:
         pass
+
+
+def caller_host(cluster: Cluster) -> Optional[str]:
+    """The host of `cluster` whose network namespace this process is in, or None (the machine's own, another)."""
+    try:
+        mine = os.stat("/proc/self/ns/net").st_ino
+        for host in cluster.hosts:
+            if os.stat(f"/var/run/netns/{cluster.namespace(host)}").st_ino == mine:
+                return host
+    except OSError:
+        pass
+    return None
+
+
+def unreachable(cluster: Cluster, host: str, seconds: float = 3.0) -> Optional[str]:
+    """Why `host` cannot be reached from the host this process runs on, as ssh would find (None: it can).
+
+    ssh needs the network: from inside another host of the cluster, a TCP connection to `host`'s port 22 is
+    tried (refused means reachable: nothing listens there); a link that is down times out or finds no route.
+    From outside the cluster's hosts nothing is sent (their addresses exist only inside them)."""
+    caller = caller_host(cluster)
+    if caller is None or caller == host:
+        return None
+    try:
+        socket.create_connection((cluster.addresses[host], 22), timeout=seconds).close()
+    except ConnectionRefusedError:
+        return None
+    except OSError as error:
+        return f"connect to host {host} port 22: {error.strerror or 'Connection timed out'}"
+    return None
 
 
 def exec_argv(cluster: Cluster, host: str, command: Sequence[str]) -> list[str]:

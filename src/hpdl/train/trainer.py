@@ -31,6 +31,7 @@ from hpdl.comm.trace import Tracer
 from hpdl.errors import HpdlError
 from hpdl.parallel import DataParallel
 from hpdl.parallel.shared import clip_by_global_norm_
+from hpdl.runtime.environment import restart_count
 from hpdl.train import checkpoint as ckpt
 from hpdl.train.progress import Progress
 from hpdl.train.sampler import DistributedSampler
@@ -167,8 +168,12 @@ class Trainer:
         """Train until `epochs` epochs are done (counting those of a resumed run); return the history.
 
         resume: a checkpoint file to continue from, or "auto" for
-        `self.checkpoint` when it exists. Every rank must pass the same.
+        `self.checkpoint` when it exists. Every rank must pass the same. A job
+        that `hpdl launch --max-restarts` (or torchrun) started again resumes
+        as with "auto" unless told otherwise: no code in the script.
         """
+        if resume is None and restart_count() > 0:
+            resume = "auto"
         if resume == "auto":
             resume = self.checkpoint if self.checkpoint and os.path.exists(self.checkpoint) else None
         if resume:
