@@ -253,3 +253,18 @@ def test_a_job_that_loses_a_host_resumes_on_the_hosts_that_remain_with_max_resta
     uninterrupted = json.loads((reference / "losses-0.json").read_text())
     assert restarted["losses"] == uninterrupted["losses"], (restarted, uninterrupted)
     assert len(restarted["losses"]) > 2  # steps before the loss (from the checkpoint) and after it
+
+
+def test_the_cluster_lab_shows_where_the_ranks_are_and_both_allreduces_with_the_same_sum():
+    lab = os.path.join(os.path.dirname(HERE), "examples", "lab_cluster.py")
+    done = subprocess.run(
+        [sys.executable, lab, "--size", "1M", "--reps", "2"], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(4):
+        assert f"rank {rank} on host {'ab'[rank // 2]}, {rank % 2 + 1} of 2 there" in done.stdout, done.stdout
+    for path in ("flat", "hierarchical"):
+        assert re.search(rf"{path}: +\d+\.\d ms += +\d+% of what the link allows", done.stdout), done.stdout
+    assert "== 3. the same sum both ways: True" in done.stdout, done.stdout
+    assert "hpdllab" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
