@@ -483,9 +483,9 @@ def test_an_outer_jobs_launch_variables_go_and_the_users_open_mpi_settings_stay(
 def test_rank_labels_of_gforker_and_open_mpi_read_as_hydras():
     import io
 
-    from hpdl.runtime.spawn import _relabel_lines
+    from hpdl.runtime.processes import relabel_lines
 
     raw = b"0>a\n[1,12]<stdout>: b\n[1,3]<stderr>: c\n[1] d\nplain 1> e\n"
     sink = io.StringIO()
-    _relabel_lines(io.BytesIO(raw), sink)
+    relabel_lines(io.BytesIO(raw), sink)
     assert sink.getvalue() == "[0] a\n[12] b\n[3] c\n[1] d\nplain 1> e\n"

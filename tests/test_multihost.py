@@ -268,3 +268,32 @@ def test_the_cluster_lab_shows_where_the_ranks_are_and_both_allreduces_with_the_
         assert re.search(rf"{path}: +\d+\.\d ms += +\d+% of what the link allows", done.stdout), done.stdout
     assert "== 3. the same sum both ways: True" in done.stdout, done.stdout
     assert "hpdllab" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+TORCH_JOB = """
+import json, os, socket, sys
+import torch
+import hpdl
+comm = hpdl.init()
+x = torch.full((1 << 16,), float(comm.rank + 1))
+comm.allreduce(x)
+got = comm.allgather(torch.tensor([float(comm.rank)]))
+with open(os.path.join(sys.argv[1], f"rank-{comm.rank}.json"), "w") as out:
+    agent = os.environ.get("TORCHELASTIC_RUN_ID") is not None
+    json.dump({"backend": comm.backend, "host": socket.gethostname(), "local": [comm.local_rank, comm.local_size],
+               "sum": x[0].item(), "gathered": got.tolist(), "launcher": agent}, out)
+hpdl.finalize()
+"""
+
+
+def test_the_torch_backend_across_hosts_starts_one_torchrun_per_host(cluster, tmp_path):
+    script = tmp_path / "torch_job.py"
+    script.write_text(TORCH_JOB)
+    job = on_host_a(cluster, f"{launch_line(str(script)).replace(' -H ', ' --backend torch -H ')} {tmp_path}")
+    output, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, output
+    for rank in range(4):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert result["backend"] == "torch" and result["launcher"], result  # a torchrun agent started each rank
+        assert result["host"] == "ab"[rank // 2] and result["local"] == [rank % 2, 2], result
+        assert result["sum"] == 10.0 and result["gathered"] == [0.0, 1.0, 2.0, 3.0], result

@@ -144,8 +144,6 @@ def parse(argv: list[str]) -> Command:
         options.host_list = hosts.parse_hostfile(options.hostfile)
     if options.host_list is not None:
         options.host_list.placement(options.nprocs)  # enough slots
-        if options.backend != "mpi":
-            raise ValueError("across hosts hpdl launch runs the mpi backend; for torch, run torchrun on each host")
     python_options, program, named = _strip_python(program)
     if options.module is None and program[:1] == ["-m"]:
         if len(program) < 2:

@@ -195,28 +195,50 @@ def _calibrate(argv: list[str]) -> int:
         "a cluster file for `hpdl plan --cluster`.",
     )
     parser.add_argument("--out", default="cluster.toml", help="cluster file to write (default cluster.toml)")
-    parser.add_argument("--devices", type=int, default=4, help="ranks the node runs (one thread each; default 4)")
+    parser.add_argument("--devices", type=int, help="ranks the node runs (one thread each; default 4; with -H: "
+                        "every slot of the hosts)")  # fmt: skip
     parser.add_argument("--ranks", type=int, default=2, help="MPI ranks of the collective probe (default 2)")
     parser.add_argument("--bench-json", help="fit the links from an `hpdl bench comm` run (its comm.json)")
     parser.add_argument("--no-comm", action="store_true", help="skip the collective probe (links assumed)")
     parser.add_argument("--overlap", type=float, default=0.0, help="share of backward that hides gradient "
                         "communication (not measured; default 0 on CPU)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds)")
+    _hosts_arguments(parser, "the cluster is these hosts: the links inside and between them measured apart")
     ns = parser.parse_args(argv)
-    if ns.devices < 1 or ns.ranks < 2:
+    hosts = _hosts(ns)
+    devices = ns.devices or (hosts.total if hosts is not None else 4)
+    if devices < 1 or ns.ranks < 2:
         parser.error("--devices must be >= 1 and --ranks >= 2")
     cluster = calibrate(
-        devices=ns.devices,
+        devices=devices,
         ranks=ns.ranks,
         quick=ns.quick,
         bench_json=ns.bench_json,
         overlap=ns.overlap,
         measure_comm=not ns.no_comm,
+        hosts=hosts,
+        rsh=ns.launcher_exec,
     )
     cluster.write(ns.out)
     print(cluster.to_toml().rstrip())
     print(f"\ncluster written to {ns.out}")
     return 0
+
+
+def _hosts_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("-H", "--hosts", help=f"hosts and slots, e.g. a:2,b:2 ({what})")
+    parser.add_argument("--hostfile", help="an mpirun-style hostfile instead of -H")
+    parser.add_argument("--launcher-exec", default="ssh", help="remote shell that reaches the hosts (default ssh)")
+
+
+def _hosts(ns: argparse.Namespace) -> Any:
+    from hpdl.runtime.hosts import parse_hostfile, parse_hosts
+
+    if ns.hosts and ns.hostfile:
+        raise ValueError("give -H or --hostfile, not both")
+    if ns.hosts:
+        return parse_hosts(ns.hosts)
+    return parse_hostfile(ns.hostfile) if ns.hostfile else None
 
 
 # --------------------------------------------------------------------------- validate
@@ -237,8 +259,12 @@ def _validate(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, help="timed steps per plan (default 5; --quick 2)")
     parser.add_argument("--out", default="bench-results/plan", help="output folder (default bench-results/plan)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size before stopping")
+    _hosts_arguments(parser, "run the plans across them; default world size: every slot")
     ns = parser.parse_args(argv)
+    hosts = _hosts(ns)
     overrides: dict[str, Any] = {"out": ns.out, "cluster": ns.cluster, "timeout": ns.timeout}
+    if hosts is not None:
+        overrides.update(hosts=hosts, rsh=ns.launcher_exec, ranks=(hosts.total,))
     if ns.ranks:
         overrides["ranks"] = validate.parse_ranks(ns.ranks)
     if ns.models:

@@ -11,7 +11,13 @@
   to the alpha-beta model (2-rank ring allreduce: 2 alpha + S / B).
 
 One node: the inter-node link is written equal to the intra-node one and
-marked as such. Numbers from a busy machine describe a busy machine.
+marked as such. Across hosts (`hosts=parse_hosts("a:2,b:2")`, `rsh`): one
+probe on every slot measures the two levels apart, each as the cost model
+counts it (bandwidth per device and direction): inside each host (shared
+memory) with every host busy at once, and between the hosts with every
+local rank crossing at once (one NIC per host is shared by its ranks); the
+compute rate every rank gets while all of them compute sets `node_flops`.
+Numbers from a busy machine describe a busy machine.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import socket
 import statistics
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hpdl.plan.cluster import GB, Cluster, Link
 
+if TYPE_CHECKING:
+    from hpdl.runtime.hosts import Hosts
+
 __all__ = ["measure_compute", "measure_overhead", "measure_memory_bandwidth", "fit_alpha_beta",
-           "measure_collectives", "collectives_from_bench", "calibrate", "main"]  # fmt: skip
+           "measure_collectives", "measure_hosts", "collectives_from_bench", "calibrate", "main"]  # fmt: skip
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
 
@@ -228,6 +237,136 @@ def measure_collectives(ranks: int = 2, quick: bool = False, timeout: float = 30
     return _fit(data["ranks"], data["allreduce"], data["sendrecv"], source=f"direct probe ({data['engine']})")
 
 
+# --------------------------------------------------------------------------- across hosts
+HOST_SIZES = (4, 65536, 1 << 20, 4 << 20)
+QUICK_HOST_SIZES = (4, 65536, 1 << 20, 2 << 20)
+"""Largest messages well past the token bucket's burst (a shaped link passes 256 KB at wire speed)."""
+
+
+def _timed(comm: Any, active: bool, op: Any, reps: int, per: float = 1.0) -> Optional[float]:
+    """Median seconds of `op` on the ranks where `active`, every repetition started together (world barrier)."""
+    samples = []
+    for i in range(reps + 1):
+        comm.barrier()
+        start = time.perf_counter()
+        if active:
+            op()
+        if i >= 1:
+            samples.append((time.perf_counter() - start) / per)
+    return statistics.median(samples) if active else None
+
+
+def _probe_pair(comm: Any, sub: Any, active: bool, sizes: Sequence[int], reps: int) -> dict[str, list[Any]]:
+    """Allreduce on `sub` and a ping-pong between its ranks 0 and 1, where `active` (every rank calls it)."""
+    import torch
+
+    out: dict[str, list[Any]] = {"allreduce": [], "sendrecv": []}
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4))
+
+        def ping(t: Any = t) -> None:
+            if sub.rank == 0:
+                sub.send(t, 1)
+                sub.recv(t, 1)
+            elif sub.rank == 1:
+                sub.recv(t, 0)
+                sub.send(t, 0)
+
+        out["allreduce"].append((nbytes, _timed(comm, active, lambda t=t: sub.allreduce(t), reps)))
+        out["sendrecv"].append((nbytes, _timed(comm, active, ping, reps, per=2.0)))
+    return out
+
+
+def _worker_hosts(out: str, sizes: Sequence[int], reps: int, matmul: int, window: float = 0.5) -> None:
+    """On every rank of a job across hosts: each level alone, as the ranks of a training step load it."""
+    import torch
+
+    import hpdl
+
+    comm = hpdl.init("mpi")
+    try:
+        names = comm.allgather_object(socket.gethostname())
+        order = list(dict.fromkeys(names))
+        host = order.index(names[comm.rank])
+        local = names[: comm.rank].count(names[comm.rank])
+        node = comm.split(host, comm.rank)
+        cross = comm.split(local, comm.rank)
+        assert node is not None and cross is not None
+        results: dict[str, Any] = {"ranks": comm.size, "hosts": [[h, names.count(h)] for h in order]}
+        # inside every host at once (shared memory), then between the hosts with every local rank crossing at
+        # once (what a data-parallel step does), then one pair alone (the NIC's whole rate), then the world
+        results["intra"] = _probe_pair(comm, node, True, sizes, reps)
+        results["inter"] = _probe_pair(comm, cross, True, sizes, reps)
+        results["inter_alone"] = _probe_pair(comm, cross, local == 0, sizes, reps)
+        world = []
+        for nbytes in sizes:
+            t = torch.ones(max(1, nbytes // 4))
+            world.append((nbytes, _timed(comm, True, lambda t=t: comm.allreduce(t), reps)))
+        results["world_allreduce"] = world
+        # the rate each rank computes at while every rank of the job does (hosts may share cores): every rank
+        # multiplies for the same window of time, so that all of them run at once
+        torch.set_num_threads(1)
+        rates = {}
+        for name, attr in DTYPES.items():
+            dtype = getattr(torch, attr)
+            a = torch.randn(matmul, matmul).to(dtype)
+            b = torch.randn(matmul, matmul).to(dtype)
+            torch.mm(a, b)
+            comm.barrier()
+            count, start = 0, time.perf_counter()
+            while time.perf_counter() - start < window:
+                torch.mm(a, b)
+                count += 1
+            rates[name] = min(comm.allgather_object(2.0 * matmul**3 * count / (time.perf_counter() - start)))
+        results["concurrent_flops"] = rates
+        if comm.rank == 0:
+            with open(out, "w") as fh:
+                json.dump(results, fh)
+    finally:
+        hpdl.finalize()
+
+
+def measure_hosts(
+    hosts: Hosts, rsh: str = "ssh", quick: bool = False, timeout: float = 300.0, ranks: Optional[int] = None
+) -> dict[str, Any]:
+    """Run the probe on the hosts' slots (`ranks`, default all); the intra- and inter-host links fitted apart.
+
+    Each link is per device and direction, as `hpdl.plan.collectives` counts it: the intra link from an
+    allreduce inside each host (every host at once), the inter link from an allreduce between the hosts with
+    every local rank crossing at once (2 hosts: 2 alpha + S / B per rank), so that ranks sharing a host's
+    NIC each get their share.
+    """
+    from hpdl.runtime import spawn
+
+    n = ranks or hosts.total
+    placed = hosts.placement(n)
+    per_node = {count for _, count in placed}
+    if len(placed) < 2 or len(per_node) != 1 or min(per_node) < 2:
+        raise ValueError(
+            f"hpdl plan calibrate -H {hosts.spec(n)}: the probe needs two hosts or more with the same number of "
+            "ranks each, at least 2 (e.g. a:2,b:2)"
+        )
+    sizes = QUICK_HOST_SIZES if quick else HOST_SIZES
+    with tempfile.TemporaryDirectory() as tmp:  # the hosts share a file system, as the job's files need
+        out = os.path.join(tmp, "hosts.json")
+        args = ["-m", "hpdl.plan.calibrate", "--worker", out, "--hosts-probe", "--sizes", *map(str, sizes)]
+        args += ["--reps", "3" if quick else "10", "--matmul", "256" if quick else "512"]
+        args += ["--window", "0.25" if quick else "1.0"]
+        env = spawn.job_environment("mpi", n, hosts=hosts)
+        env["OMP_NUM_THREADS"] = "1"
+        code = spawn.run(n, args, env=env, timeout=timeout, name="hpdl plan calibrate", hosts=hosts, rsh=rsh)
+        if code != 0 or not os.path.exists(out):
+            raise RuntimeError(f"hpdl plan calibrate: the probe on {hosts.spec(n)} failed (exit code {code})")
+        with open(out) as fh:
+            data = json.load(fh)
+    k = data["hosts"][0][1]
+    nodes = len(data["hosts"])
+    intra = _fit(k, data["intra"]["allreduce"], data["intra"]["sendrecv"], source="shared memory inside a host")
+    inter = _fit(nodes, data["inter"]["allreduce"], data["inter"]["sendrecv"], source="between hosts")
+    alone = _fit(nodes, data["inter_alone"]["allreduce"], data["inter_alone"]["sendrecv"], source="one pair")
+    return {"nodes": nodes, "per_node": k, "intra": intra, "inter": inter, "inter_alone": alone, "raw": data}
+
+
 def collectives_from_bench(path: str, column: str = "hpdl-mpi") -> dict[str, Any]:
     """Fit the links from the records of `hpdl bench comm` (comm.json)."""
     with open(path) as fh:
@@ -265,9 +404,14 @@ def calibrate(
     bench_json: Optional[str] = None,
     overlap: float = 0.0,
     measure_comm: bool = True,
+    hosts: Optional[Hosts] = None,
+    rsh: str = "ssh",
 ) -> Cluster:
     """Measure this machine and describe it as one node of `devices` devices (one single-threaded rank each).
 
+    With `hosts` (two or more, the same slots each), the cluster is those hosts: one node per host of its
+    slots, the links inside and between the hosts measured apart by a probe started through `rsh`
+    (`measure_hosts`), and `node_flops` no more than what each rank gets while every rank computes.
     `overlap` is not measured: on CPU the cores that compute also move the
     bytes (shared-memory copies), so 0 (no hiding) is the default.
     """
@@ -280,6 +424,10 @@ def calibrate(
     bandwidth = measure_memory_bandwidth(32 if quick else 128, 3 if quick else 5)
     optimizers = measure_optimizers(1 << 18 if quick else 1 << 21, 2 if quick else 3)
     extra: dict[str, Any] = {"cores": cores, "matmul_size": size, "torch_threads_single": 1}
+    if hosts is not None:
+        return _across_hosts(
+            hosts, rsh, quick, single, node, overhead, bandwidth, optimizers, overlap, extra, devices=devices
+        )
     if bench_json:
         comm = collectives_from_bench(bench_json)
     elif measure_comm:
@@ -326,14 +474,86 @@ def calibrate(
     )
 
 
+def _across_hosts(
+    hosts: Hosts,
+    rsh: str,
+    quick: bool,
+    single: dict[str, float],
+    node: dict[str, float],
+    overhead: dict[str, float],
+    bandwidth: float,
+    optimizers: dict[str, float],
+    overlap: float,
+    extra: dict[str, Any],
+    devices: Optional[int] = None,
+) -> Cluster:
+    probe = measure_hosts(hosts, rsh, quick=quick, ranks=min(devices, hosts.total) if devices else None)
+    k, nodes = probe["per_node"], probe["nodes"]
+    intra, inter, alone = probe["intra"], probe["inter"], probe["inter_alone"]
+    concurrent = probe["raw"]["concurrent_flops"]
+    # hosts that share cores (or a node whose ranks crowd its cores) compute at what the busy probe saw
+    node = {d: min(rate, k * concurrent.get(d, rate)) for d, rate in node.items()}
+    extra = dict(extra)
+    extra["collectives"] = f"probe on {hosts.spec(k * nodes)} (every host, every local rank at once)"
+    extra["intra_allreduce_s"] = json.dumps(intra["allreduce_s"])
+    extra["inter_allreduce_s"] = json.dumps(inter["allreduce_s"])
+    extra["world_allreduce_s"] = json.dumps(probe["raw"]["world_allreduce"])
+    extra["inter_one_pair_bandwidth_GBps"] = alone["link"].bandwidth_Bps / GB
+    extra["inter_one_pair_latency_us"] = alone["link"].latency_s * 1e6
+    for level, fitted in (("intra", intra), ("inter", inter)):
+        if fitted["p2p"] is not None:
+            extra[f"{level}_p2p_latency_us"] = fitted["p2p"].latency_s * 1e6
+            extra[f"{level}_p2p_bandwidth_GBps"] = fitted["p2p"].bandwidth_Bps / GB
+    extra["concurrent_flops"] = json.dumps(concurrent)
+    ram: float
+    try:
+        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        ram = 8 * GB
+    names = ",".join(h for h, _ in probe["raw"]["hosts"])
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return Cluster(
+        name=f"{names} ({nodes} hosts x {k} CPU ranks)",
+        nodes=nodes,
+        devices_per_node=k,
+        memory_bytes=ram / k,
+        flops=single,
+        node_flops=node,
+        intra=Link("shm (measured, every host at once)", intra["link"].latency_s, intra["link"].bandwidth_Bps),
+        inter=Link(
+            f"network (measured, {k} ranks per host crossing at once)",
+            inter["link"].latency_s,
+            inter["link"].bandwidth_Bps,
+        ),
+        efficiency=1.0,
+        memory_bandwidth_Bps=bandwidth,
+        layer_overhead_s=overhead["layer"],
+        op_overhead_s=overhead["op"],
+        tensor_overhead_s=overhead["tensor"],
+        pass_overhead_s=overhead["pass"],
+        optimizer_ns=optimizers,
+        overlap=overlap,
+        reserved_bytes=0.3 * GB,
+        source=f"measured on hosts {names} at {when} by hpdl plan calibrate -H {hosts.spec(k * nodes)}"
+        f"{' (quick)' if quick else ''}",
+        extra=extra,
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The collective probe's worker entry (`python -m hpdl.plan.calibrate --worker OUT`)."""
     parser = argparse.ArgumentParser(prog="python -m hpdl.plan.calibrate")
     parser.add_argument("--worker", required=True, help="JSON file rank 0 writes")
     parser.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--hosts-probe", action="store_true", help="the probe across hosts (measure_hosts)")
+    parser.add_argument("--matmul", type=int, default=512)
+    parser.add_argument("--window", type=float, default=0.5, help="seconds every rank multiplies at once")
     ns = parser.parse_args(argv)
-    _worker(ns.worker, ns.sizes, ns.reps)
+    if ns.hosts_probe:
+        _worker_hosts(ns.worker, ns.sizes, ns.reps, ns.matmul, ns.window)
+    else:
+        _worker(ns.worker, ns.sizes, ns.reps)
     return 0
 
 

@@ -23,7 +23,10 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from hpdl.runtime.hosts import Hosts
 
 __all__ = ["Options", "run", "summarize", "markdown", "plot", "MODELS", "main"]
 
@@ -49,6 +52,10 @@ class Options:
     """A cluster file (from `hpdl plan calibrate`); None: calibrate now."""
     out: str = "bench-results/plan"
     timeout: float = 1800.0
+    hosts: Optional[Hosts] = None
+    """Run the ranks on these hosts (`hpdl.runtime.hosts.parse_hosts("a:2,b:2")`), reached through `rsh`; None:
+    this machine. Calibrating now then measures the links inside and between the hosts apart."""
+    rsh: str = "ssh"
 
 
 def quick_options(**overrides: Any) -> Options:
@@ -348,11 +355,12 @@ def measure_plans(
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec_path, "w") as fh:
             json.dump({"plans": chosen, "models": specs, "steps": options.steps, "warmup": options.warmup}, fh)
-        env = spawn.job_environment("mpi", ranks)
+        env = spawn.job_environment("mpi", ranks, hosts=options.hosts)
         env["OMP_NUM_THREADS"] = "1"
         env.setdefault("HPDL_TIMEOUT", "120")  # a plan that fails on one rank must not hold the others for long
         code = spawn.run(ranks, ["-m", "hpdl.plan.validate", "--worker", spec_path, out_path], env=env,
-                         timeout=options.timeout, name="hpdl plan validate")  # fmt: skip
+                         timeout=options.timeout, name="hpdl plan validate", hosts=options.hosts,
+                         rsh=options.rsh)  # fmt: skip
         if code != 0 or not os.path.exists(out_path):
             raise RuntimeError(f"hpdl plan validate: the {ranks}-rank run failed (exit code {code})")
         with open(out_path) as fh:
@@ -369,7 +377,7 @@ def run(options: Options) -> Outcome:
     if options.cluster:
         cluster = load_cluster_file(options.cluster)
     else:
-        cluster = calibrate(devices=top, quick=options.quick)
+        cluster = calibrate(devices=top, quick=options.quick, hosts=options.hosts, rsh=options.rsh)
     rows, specs = predictions(options, cluster)
     for n in options.ranks:
         measured = measure_plans(rows, specs, options, n)

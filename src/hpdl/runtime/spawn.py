@@ -19,7 +19,6 @@ made (UCX_NET_DEVICES, GLOO_SOCKET_IFNAME, ...) wins.
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import os
 import re
@@ -31,14 +30,15 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional, Sequence
 
 from hpdl.runtime.environment import STORE_FD, loopback_interface
 from hpdl.runtime.hosts import Hosts
+from hpdl.runtime.processes import find_mpiexec, mpiexec_flavour, process_group, relabel_lines, tag_lines
 from hpdl.runtime.rank_failure import JOB_DIR, first_failure, mark_interrupted
 from hpdl.runtime.rank_faults import FAULT_SIGNALS, RANK_FAULT_FDS, RankFaults
 from hpdl.runtime.rank_output import RANK_OUTPUT_FDS, rank_outputs
+from hpdl.runtime.remote import Remote, spawn_mpi_hosts, spawn_torch_hosts
 
 __all__ = [
     "LOOPBACK_SETTINGS",
@@ -91,27 +91,14 @@ LOOPBACK_SETTINGS = (
     "GLOO_SOCKET_IFNAME",  # torch.distributed's gloo
 )
 """Each names the interface its transport may listen on; a local job sets them all to loopback."""
-_RANK_LABEL = re.compile(r"^(?:(\d+)>|\[\d+,(\d+)\]<std(?:out|err)>: ?)")
-"""gforker's `0>` and Open MPI's `[1,0]<stdout>: ` before a rank's line."""
 _RETURN_CODE = re.compile(r"^\[\d+\](\d+):Return code = (-?\d+)(?:, signaled with (.+?))?\s*$")
 """gforker's report of each rank's exit once one has failed."""
-
-
-def find_mpiexec() -> str:
-    """The mpiexec beside this Python (pip's `mpich`), else the one on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
-    if not found:
-        raise FileNotFoundError(
-            "no mpiexec found: `pip install mpich` (or load your cluster's MPI module), or use --backend torch"
-        )
-    return found
 
 
 def mpiexec_argv(nprocs: int) -> list[str]:
     """`mpiexec -n N` for N ranks on this machine, with what its flavour needs to start more ranks than cores."""
     mpiexec = find_mpiexec()
-    return [mpiexec, "-n", str(nprocs), *_oversubscribe(_mpiexec_flavour(mpiexec))]
+    return [mpiexec, "-n", str(nprocs), *_oversubscribe(mpiexec_flavour(mpiexec))]
 
 
 def _oversubscribe(flavour: str) -> list[str]:
@@ -235,7 +222,8 @@ def _run_job(
     remote: Optional[Remote] = None,
 ) -> int:
     if remote is not None:
-        children, pumps = _spawn_mpi_hosts(nprocs, command, env, tag_output, remote)
+        spawner = spawn_mpi_hosts if backend == "mpi" else spawn_torch_hosts
+        children, pumps = spawner(nprocs, command, env, tag_output, remote)
     elif backend == "mpi":
         children, pumps = _spawn_mpi(nprocs, command, env, tag_output)
     else:
@@ -262,26 +250,6 @@ def _run_job(
     if remote is not None and code != 0:
         remote.remove_leftovers(name)
     return code
-
-
-@dataclass(frozen=True)
-class Remote:
-    """The hosts of a job across machines and the remote shell that reaches them (ssh, or a stand-in)."""
-
-    hosts: Hosts
-    rsh: str
-
-    def remove_leftovers(self, name: str) -> None:
-        """On every host, the MPI segments a failed job's ranks left (hpdl.runtime.shm_leftovers: only files that
-        nothing maps or holds open); a host that does not answer within seconds is skipped, and said."""
-        clean = [sys.executable, "-m", "hpdl.runtime.shm_leftovers", "--settle", "0.5"]
-        for host, _ in self.hosts.slots:
-            try:
-                subprocess.run(
-                    [self.rsh, host, *clean], capture_output=True, timeout=GRACE_SECONDS * 2, stdin=subprocess.DEVNULL
-                )
-            except (OSError, subprocess.TimeoutExpired):
-                print(f"{name}: host {host} did not answer; its /dev/shm may keep this job's segments", file=sys.stderr)
 
 
 def remove_forker_segments(pid: int, root: str = "/dev/shm") -> list[str]:
@@ -401,18 +369,11 @@ def local_mpiexec() -> tuple[str, str]:
     without a control port on the network: it is preferred for local jobs.
     """
     mpiexec = find_mpiexec()
-    flavour = _mpiexec_flavour(mpiexec)
+    flavour = mpiexec_flavour(mpiexec)
     forker = os.path.join(os.path.dirname(mpiexec), "mpiexec.gforker")
     if flavour == "hydra" and os.access(forker, os.X_OK):
         return forker, "gforker"
     return mpiexec, flavour
-
-
-def _process_group(leader: int) -> dict[str, Any]:
-    """Popen arguments that put the child in process group `leader` (0: a new group it leads)."""
-    if sys.version_info >= (3, 11):
-        return {"process_group": leader}
-    return {"preexec_fn": lambda: os.setpgid(0, leader)}
 
 
 def _spawn_mpi(
@@ -432,13 +393,13 @@ def _spawn_mpi(
     else:  # its relay drops a rank's output at the first non-ASCII byte
         # every rank on this host: the locality variables Hydra and torchrun give (run_rank adds each rank's own)
         env = {**env, "MPI_LOCALNRANKS": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs)}
-        outputs = rank_outputs(nprocs, _tag_lines if tag_output else None)
+        outputs = rank_outputs(nprocs, tag_lines if tag_output else None)
         env, fds, pumps = {**env, RANK_OUTPUT_FDS: outputs.value}, outputs.fds, outputs.pumps
         faults = RankFaults(nprocs)  # it exits 0 when a signal killed a rank
         env, fds = {**env, RANK_FAULT_FDS: faults.value}, fds + faults.fds
     # Its own process group, so that stopping the job reaches every rank, not only the launcher.
     try:
-        child = subprocess.Popen(argv + command, env=env, stdout=pipe, stderr=pipe, pass_fds=fds, **_process_group(0))
+        child = subprocess.Popen(argv + command, env=env, stdout=pipe, stderr=pipe, pass_fds=fds, **process_group(0))
     finally:
         for fd in fds:
             os.close(fd)
@@ -451,40 +412,8 @@ def _spawn_mpi(
     if pipe is not None:
         assert child.stdout is not None and child.stderr is not None
         for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            relay: tuple[Any, ...] = (_launcher_lines, ended) if flavour == "gforker" else (_relabel_lines,)
+            relay: tuple[Any, ...] = (_launcher_lines, ended) if flavour == "gforker" else (relabel_lines,)
             pump = threading.Thread(target=relay[0], args=(source, sink, *relay[1:]), daemon=True)
-            pump.start()
-            pumps.append(pump)
-    return [child], pumps
-
-
-def _spawn_mpi_hosts(
-    nprocs: int, command: list[str], env: dict[str, str], tag_output: bool, remote: Remote
-) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
-    """The ranks on the hosts, through the site's launcher: Hydra's `-hosts` or Open MPI's `-H`, each with `rsh`.
-
-    The ranks' output comes through the launcher (no descriptor crosses a remote shell), tagged with `[rank]`
-    when asked. A rank on another host finds no job folder: it reports its failure as a first one.
-    """
-    mpiexec = find_mpiexec()
-    flavour = _mpiexec_flavour(mpiexec)
-    spec = remote.hosts.spec(nprocs)
-    if flavour == "openmpi":
-        argv = [mpiexec, "-H", spec, "--mca", "plm_rsh_agent", remote.rsh, "-np", str(nprocs)]
-        argv += ["--tag-output"] if tag_output else []
-    else:  # Hydra (MPICH, MVAPICH, Intel MPI)
-        argv = [mpiexec, "-hosts", spec, "-launcher", "ssh", "-launcher-exec", remote.rsh, "-n", str(nprocs)]
-        argv += ["-prepend-rank"] if tag_output else []
-    pipe = subprocess.PIPE if tag_output and flavour == "openmpi" else None
-    child = subprocess.Popen(
-        argv + command, env=env, stdout=pipe, stderr=pipe, stdin=subprocess.DEVNULL, **_process_group(0)
-    )
-    child.hpdl_group = True  # type: ignore[attr-defined]
-    pumps: list[threading.Thread] = []
-    if pipe is not None:
-        assert child.stdout is not None and child.stderr is not None
-        for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            pump = threading.Thread(target=_relabel_lines, args=(source, sink), daemon=True)
             pump.start()
             pumps.append(pump)
     return [child], pumps
@@ -498,7 +427,7 @@ def _spawn_torch(
     children: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for rank in range(nprocs):
-        group = _process_group(children[0].pid if children else 0)  # one group for the job, as under MPI
+        group = process_group(children[0].pid if children else 0)  # one group for the job, as under MPI
         rank_env = rank_environment(env, rank, nprocs, "127.0.0.1", port)
         # Every rank's env:// rendezvous (torch's own init_process_group) connects to rank 0's server as a client,
         # rank 0's too (store.serve_handed_store): the same way on every rank, since torch 2.4 puts the keys
@@ -514,7 +443,7 @@ def _spawn_torch(
         if tag_output:
             assert child.stdout is not None and child.stderr is not None
             for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-                pump = threading.Thread(target=_tag_lines, args=(source, sink, rank), daemon=True)
+                pump = threading.Thread(target=tag_lines, args=(source, sink, rank), daemon=True)
                 pump.start()
                 pumps.append(pump)
     store.close()  # rank 0 holds it now
@@ -529,26 +458,6 @@ def store_listener() -> tuple[socket.socket, int]:
     """
     listener = socket.create_server(("127.0.0.1", 0), backlog=128)
     return listener, int(listener.getsockname()[1])
-
-
-@functools.cache
-def _mpiexec_flavour(mpiexec: str) -> str:
-    try:
-        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    if "HYDRA" in text.upper():
-        return "hydra"
-    if "Open MPI" in text or "OpenRTE" in text or "PRRTE" in text:
-        return "openmpi"
-    return "unknown"
-
-
-def _tag_lines(source: IO[bytes], sink: IO[str], rank: int) -> None:
-    for raw in iter(source.readline, b""):
-        sink.write(f"[{rank}] " + raw.decode(errors="replace"))
-        sink.flush()
-    source.close()
 
 
 def _launcher_lines(source: IO[bytes], sink: IO[str], ended: dict[int, tuple[int, int]]) -> None:
@@ -584,11 +493,3 @@ def _said_exits(ended: dict[int, tuple[int, int]], code: int, job_dir: str, name
 
 _STOPPING = (0, signal.SIGINT, signal.SIGQUIT)
 """No signal, or one gforker sends the other ranks once one has ended with a non-zero code."""
-
-
-def _relabel_lines(source: IO[bytes], sink: IO[str]) -> None:
-    """gforker labels lines `0>`, Open MPI `[1,0]<stdout>: `; write them as `[0] ` like Hydra and torch jobs."""
-    for raw in iter(source.readline, b""):
-        sink.write(_RANK_LABEL.sub(lambda m: f"[{m.group(1) or m.group(2)}] ", raw.decode(errors="replace"), count=1))
-        sink.flush()
-    source.close()
