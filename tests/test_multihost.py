@@ -3,10 +3,11 @@
 `hpdl launch -n 4 -H a:2,b:2` runs from host a, reaching host b through the cluster's remote shell, as users run
 it with ssh: every collective across the hosts, the ranks' places on their hosts from the real host names, the
 hierarchical allreduce across the hosts with shared memory inside each; DDP on the "hpdl" torch backend, Horovod's
-optimizer, ZeRO-3, a Lightning fit and a pipeline with one stage per host equal to one process, K-Means on rows
-held on both hosts equal to scikit-learn. A Dask cluster over mpi:// has workers on both hosts. Then the faults: a
-host's link pulled mid-collective, and every process of a host killed. Where namespaces cannot be made (no root,
-no CAP_NET_ADMIN) the tests skip, saying why.
+optimizer, ZeRO-3, FSDP2, a Lightning fit and a pipeline with one stage per host equal to one process, every
+torch.distributed collective on "hpdl" equal to gloo's, K-Means on rows held on both hosts equal to scikit-learn.
+A Dask cluster over mpi:// has workers on both hosts; the torch backend starts one torchrun per host. Then the
+faults: a host's link pulled mid-collective, every process of a host killed, and a host lost mid-training with
+`--max-restarts`. Where namespaces cannot be made (no root, no CAP_NET_ADMIN) the tests skip, saying why.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def test_a_job_across_two_hosts_runs_every_collective_and_trains_as_one_process(
         assert result["shm"].startswith("on: 2 ranks per node share"), result  # shared memory inside each host
         assert result["across_nodes"], result  # the hierarchical allreduce's leaders talk across the hosts
         assert result["ucx_tls"] == "tcp,self", result  # inter-host data pinned to the network
-        for part in ("ddp", "horovod", "zero3", "lightning"):
+        assert result["torch_collectives_differ"] == [], result["torch_collectives_differ"]
+        for part in ("ddp", "horovod", "zero3", "lightning", "fsdp2"):
             assert_same_params(result[part], one_process, f"{part} on rank {rank}")
         stage = result["pipeline"]  # ranks 0 and 1 hold layers 0-2 (host a), ranks 2 and 3 layers 3-4 (host b)
         assert stage["first_layer"] == (0 if rank < 2 else 3), stage

@@ -3,7 +3,8 @@
 `python multihost_job.py OUT_DIR` writes OUT_DIR/rank-N.json with what this rank saw: its host and place on it,
 the collectives' results (checked against their closed forms here), the paths the allreduce took, and the
 parameters after DDP steps on the "hpdl" torch backend, Horovod's DistributedOptimizer, a pipeline with one stage
-per host, ZeRO-3 and a Lightning fit, and K-Means's centres on rows held on both hosts.
+per host, ZeRO-3, FSDP2 and a Lightning fit, K-Means's centres on rows held on both hosts, and every collective of
+torch.distributed on the "hpdl" group against gloo's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from launcher_job import ddp, horovod, lightning
 from torch import nn
 
 import hpdl
-from torch_backend_training import BATCH, LR, STEPS, data, make_model
+from torch_backend_training import BATCH, LR, STEPS, data, fsdp2, make_model
 
 
 def expect(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -48,6 +49,22 @@ def collectives(comm: hpdl.Communicator) -> list[str]:
             done.append(f"{dtype} {count}")
     comm.barrier()
     return done
+
+
+def torch_collectives() -> list[str]:
+    """Every collective of torch.distributed on the "hpdl" group across the hosts, against gloo's results (the
+    bodies of test_torch_backend.py); the keys where they differ."""
+    from torch_backend_bodies import collectives
+
+    mine, theirs = collectives(None, "hpdl"), collectives(None, "gloo")
+    assert mine.keys() == theirs.keys()
+    differ = []
+    for key, value in mine.items():
+        other = theirs[key]
+        same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+        if not same:
+            differ.append(str(key))
+    return differ
 
 
 def pipeline(comm: hpdl.Communicator) -> dict:
@@ -112,6 +129,8 @@ if __name__ == "__main__":
         "kmeans": kmeans(comm),
         "ddp": ddp()["params"],
         "lightning": lightning()["params"],  # on the group ddp() made
+        "fsdp2": fsdp2(None, "hpdl"),
+        "torch_collectives_differ": torch_collectives(),
         "ucx_tls": os.environ.get("UCX_TLS"),
     }
     with open(os.path.join(sys.argv[1], f"rank-{comm.rank}.json"), "w") as out:
