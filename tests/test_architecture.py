@@ -17,6 +17,8 @@ import types
 from dataclasses import dataclass
 from typing import Optional
 
+import pytest
+
 import hpdl
 
 SRC = os.path.dirname(os.path.abspath(hpdl.__file__))
@@ -306,3 +308,27 @@ def test_import_hpdl_needs_no_torch_and_registers_the_backend_once_torch_loads()
     torch_first = "import torch.distributed as dist, hpdl; assert 'hpdl' in dist.Backend.backend_list"
     done = subprocess.run([sys.executable, "-c", torch_first], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "shadow, registered",
+    [("raise ImportError('not the hpdl you installed')", False), (None, True)],
+    ids=["failing hpdl", "empty hpdl folder"],
+)
+def test_a_broken_hpdl_first_on_the_path_leaves_import_torch_working(tmp_path, shadow, registered):
+    """torch calls hpdl's autoload entry point inside `import torch` and fails its own import when that raises: the
+    target (hpdl_torch_autoload, outside the package) must survive any state of hpdl, and say what happened. (A
+    folder without __init__.py is a namespace portion, which the installed package wins over.)"""
+    folder = tmp_path / "hpdl"
+    folder.mkdir()
+    if shadow is not None:
+        (folder / "__init__.py").write_text(shadow)
+    probe = "import torch, torch.distributed as d; print(torch.ones(2).sum().item(), 'hpdl' in d.Backend.backend_list)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2.0", str(registered)], done.stdout  # torch works; "hpdl" there or honestly not
+    warned = "hpdl's torch.distributed backend is not registered: importing hpdl failed" in done.stderr
+    assert warned != registered, done.stderr
