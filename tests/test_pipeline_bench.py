@@ -11,6 +11,7 @@ from pathlib import Path
 from hpdl.bench.train_pipeline import CONTENDERS, contenders_here, launch
 from hpdl.parallel.pipe.schedule import make_schedule
 from hpdl.runtime.environment import torch_release
+from targets import checked_targets
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +21,8 @@ def test_quick_benchmark_writes_every_contender(tmp_path: Path) -> None:
     assert code == 0
     records = json.loads((tmp_path / "pipeline.json").read_text())
     here = contenders_here()  # every contender, but torch-1f1b where this torch's 1F1B deadlocks over gloo
-    assert here == CONTENDERS or torch_release() < (2, 13)  # the pinned torch runs every one
+    if torch_release() >= (2, 13):  # the pinned torch runs every one (torch 2.4's 1F1B hung over gloo)
+        assert here == CONTENDERS, here
     assert {r["contender"] for r in records} == set(here)
     for r in records:
         assert r["samples_per_s"]["median"] > 0 and r["torch_version"] and r["microbatches"] == 8
@@ -35,7 +37,8 @@ def test_quick_benchmark_writes_every_contender(tmp_path: Path) -> None:
             2 * by_name[f"{prefix}-1f1b"]["peak_activation_bytes_per_stage"][0]
         )
     markdown = (tmp_path / "pipeline.md").read_text()
-    assert "## Targets" in markdown and ("PASS" in markdown or "MISS" in markdown)
+    targets = checked_targets(markdown)  # each verdict the one its numbers earn
+    assert len(targets) == 4 and all(t.split(" ", 2)[1] == "mlp:" for t in targets), targets
 
 
 def test_bad_benchmark_arguments_return_an_exit_code() -> None:

@@ -54,6 +54,9 @@ _NOT_USERS = (
     "<frozen",
 )
 """Where frames of code other than the user's live."""
+_interrupted = False
+"""A KeyboardInterrupt was raised here for the launcher's Ctrl-C: a second SIGINT of the same stop is ignored (it
+would interrupt run_rank's one-line report and end in hpdl's excepthook)."""
 _failing = False
 """This rank is writing its own report: a stop signal now must not cut it short."""
 
@@ -204,6 +207,10 @@ def _stopped(signum: int, frame: Optional[FrameType]) -> Any:
         _write(f"hpdl: rank {_rank()} stopped {_where(frame)}: {first}\n")
         _leave(1)
     if signum == signal.SIGINT and os.path.exists(os.path.join(os.environ[JOB_DIR], _INTERRUPTED)):
+        global _interrupted
+        if _interrupted:
+            return None  # the same Ctrl-C again: the launcher's and the MPI launcher's SIGINT both reach a rank
+        _interrupted = True
         raise KeyboardInterrupt  # Ctrl-C: the script may handle it; else run_rank says where it was
     _reporting()
     _write(f"hpdl: rank {_rank()} stopped by the launcher {_where(frame)}: another rank ended without a report\n")
