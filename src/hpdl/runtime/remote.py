@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,8 +25,8 @@ from hpdl.runtime.processes import find_mpiexec, mpiexec_flavour, process_group,
 
 __all__ = ["Remote", "spawn_mpi_hosts", "spawn_torch_hosts"]
 
-ANSWER_SECONDS = 10.0
-"""How long a host may take to answer the clean-up after a failed job."""
+ANSWER_SECONDS = 30.0
+"""How long the clean-up after a failed job may try to reach a host (it runs after the launcher has ended)."""
 _CARRIED = ("PYTHONPATH", "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "UCX_TLS", "GLOO_SOCKET_IFNAME", "PATH")
 """Besides every HPDL_ variable, what the ranks on another host need of the launcher's environment."""
 
@@ -39,15 +40,18 @@ class Remote:
 
     def remove_leftovers(self, name: str) -> None:
         """On every host, the MPI segments a failed job's ranks left (hpdl.runtime.shm_leftovers: only files that
-        nothing maps or holds open); a host that does not answer within seconds is skipped, and said."""
+        nothing maps or holds open), in the background: a lost host's remote shell may take long to give up, and
+        the launcher ends now. Each try is bounded (`timeout`)."""
         clean = [sys.executable, "-m", "hpdl.runtime.shm_leftovers", "--settle", "0.5"]
+        bound = ["timeout", str(int(ANSWER_SECONDS))] if shutil.which("timeout") else []
         for host, _ in self.hosts.slots:
             try:
-                subprocess.run(
-                    [self.rsh, host, *clean], capture_output=True, timeout=ANSWER_SECONDS, stdin=subprocess.DEVNULL
-                )
-            except (OSError, subprocess.TimeoutExpired):
-                print(f"{name}: host {host} did not answer; its /dev/shm may keep this job's segments", file=sys.stderr)
+                subprocess.Popen(
+                    [*bound, self.rsh, host, *clean], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            except OSError as error:
+                print(f"{name}: cannot reach host {host} to remove this job's MPI segments ({error})", file=sys.stderr)
 
 
 def spawn_mpi_hosts(

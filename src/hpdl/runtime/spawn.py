@@ -55,8 +55,10 @@ __all__ = [
 ]
 
 GRACE_SECONDS = 5.0
-FAILED_JOB_GRACE = 5.0
-"""Seconds a job may take to end once a rank has reported its failure (the launcher stops it then)."""
+FAILED_JOB_GRACE = 6.0
+"""Seconds a job may take to end once a rank has reported its failure (the launcher stops it then): long enough
+for the other reachable ranks to reach their own timeout and say so on a loaded machine (a lost host's ranks and
+this host's time out together, give or take a progress-board read of 2 s)."""
 TIMED_OUT = 124
 INTERRUPTED = 130
 _OUTER_LAUNCH = (
@@ -330,7 +332,7 @@ def supervise(
                 file=sys.stderr,
                 flush=True,
             )
-            stop(children, signal.SIGTERM)
+            stop(children, signal.SIGKILL)  # its ranks have said why; what still runs waits on the lost host
             return 1
         time.sleep(0.05)
 
