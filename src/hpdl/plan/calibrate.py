@@ -461,11 +461,7 @@ def calibrate(
     else:
         intra = Link("shm (not measured: memory copy)", 5e-6, bandwidth / 2)
         extra["collectives"] = "not measured; latency 5 us assumed, bandwidth = half the copy bandwidth"
-    ram: float
-    try:
-        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        ram = 8 * GB
+    ram = _ram()
     host = socket.gethostname()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return Cluster(
@@ -477,18 +473,35 @@ def calibrate(
         node_flops=node,
         intra=intra,
         inter=Link("same as intra (one node)", intra.latency_s, intra.bandwidth_Bps),
-        efficiency=1.0,
-        memory_bandwidth_Bps=bandwidth,
-        layer_overhead_s=overhead["layer"],
-        op_overhead_s=overhead["op"],
-        tensor_overhead_s=overhead["tensor"],
-        pass_overhead_s=overhead["pass"],
-        optimizer_ns=optimizers,
-        overlap=overlap,
-        reserved_bytes=0.3 * GB,
+        **_machine(bandwidth, overhead, optimizers, overlap),
         source=f"measured on {host} at {when} by hpdl plan calibrate ({cores} cores{', quick' if quick else ''})",
         extra=extra,
     )
+
+
+def _ram() -> float:
+    """This machine's memory in bytes (8 GB where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 * GB
+
+
+def _machine(
+    bandwidth: float, overhead: dict[str, float], optimizers: dict[str, float], overlap: float
+) -> dict[str, Any]:
+    """What a calibrated cluster says of the machine itself, alone or across hosts: the Cluster's fields."""
+    return {
+        "efficiency": 1.0,
+        "memory_bandwidth_Bps": bandwidth,
+        "layer_overhead_s": overhead["layer"],
+        "op_overhead_s": overhead["op"],
+        "tensor_overhead_s": overhead["tensor"],
+        "pass_overhead_s": overhead["pass"],
+        "optimizer_ns": optimizers,
+        "overlap": overlap,
+        "reserved_bytes": 0.3 * GB,
+    }
 
 
 def _across_hosts(
@@ -522,11 +535,7 @@ def _across_hosts(
             extra[f"{level}_p2p_latency_us"] = fitted["p2p"].latency_s * 1e6
             extra[f"{level}_p2p_bandwidth_GBps"] = fitted["p2p"].bandwidth_Bps / GB
     extra["concurrent_flops"] = json.dumps(concurrent)
-    ram: float
-    try:
-        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        ram = 8 * GB
+    ram = _ram()
     names = ",".join(h for h, _ in probe["raw"]["hosts"])
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return Cluster(
@@ -542,15 +551,7 @@ def _across_hosts(
             inter["link"].latency_s,
             inter["link"].bandwidth_Bps,
         ),
-        efficiency=1.0,
-        memory_bandwidth_Bps=bandwidth,
-        layer_overhead_s=overhead["layer"],
-        op_overhead_s=overhead["op"],
-        tensor_overhead_s=overhead["tensor"],
-        pass_overhead_s=overhead["pass"],
-        optimizer_ns=optimizers,
-        overlap=overlap,
-        reserved_bytes=0.3 * GB,
+        **_machine(bandwidth, overhead, optimizers, overlap),
         source=f"measured on hosts {names} at {when} by hpdl plan calibrate -H {hosts.spec(k * nodes)}"
         f"{' (quick)' if quick else ''}",
         extra=extra,
