@@ -59,7 +59,7 @@ def lab_main() -> int:
         ]
         launch = [
             sys.executable, "-m", "hpdl.cli.main", "launch", "-n", "4", "-H", "a:2,b:2",
-            "--launcher-exec", "hpdl-cluster-rsh", *worker,
+            "--launcher-exec", sim_cluster.remote_shell(), *worker,
         ]  # fmt: skip
         on_a = [sys.executable, "-m", "hpdl.cli.main", "cluster", "--name", cluster.name, "exec", "a", *launch]
         env = dict(os.environ, HPDL_CLUSTER=cluster.name, OMP_NUM_THREADS="1")

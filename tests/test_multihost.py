@@ -68,7 +68,8 @@ def until_ready(job: subprocess.Popen) -> list[str]:
 
 
 def launch_line(script: str) -> str:
-    return f"{sys.executable} -m hpdl.cli.main launch -n 4 -H a:2,b:2 --launcher-exec hpdl-cluster-rsh {script}"
+    rsh = sim_cluster.remote_shell()  # by path: the environment's bin folder is not on PATH in CI
+    return f"{sys.executable} -m hpdl.cli.main launch -n 4 -H a:2,b:2 --launcher-exec {rsh} {script}"
 
 
 def test_a_job_across_two_hosts_runs_every_collective_and_trains_as_one_process(cluster, tmp_path):
@@ -116,7 +117,7 @@ def test_a_dask_cluster_over_mpi_has_workers_on_both_hosts(cluster, tmp_path):
     script = tmp_path / "dask_job.py"
     script.write_text(DASK)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    hydra = f"{mpiexec} -hosts a:3,b:2 -launcher ssh -launcher-exec hpdl-cluster-rsh -n 5"
+    hydra = f"{mpiexec} -hosts a:3,b:2 -launcher ssh -launcher-exec {sim_cluster.remote_shell()} -n 5"
     line = f"{hydra} {sys.executable} -m hpdl.cli.main dask {script}"
     job = on_host_a(cluster, line)
     output, _ = job.communicate(timeout=180)

@@ -65,7 +65,8 @@ def test_torch_rendezvous_across_hosts(tmp_path: Path, monkeypatch: pytest.Monke
         a = cluster.addresses["a"]
         # -localhost: Hydra's proxy on b cannot resolve "a" either (UCX_TLS: inter-host data over TCP)
         command = (
-            f"UCX_TLS=tcp,self mpiexec -localhost {a} -hosts a:2,b:2 -launcher ssh -launcher-exec hpdl-cluster-rsh "
+            f"UCX_TLS=tcp,self {os.path.join(os.path.dirname(sys.executable), 'mpiexec')} -localhost {a} "
+            f"-hosts a:2,b:2 -launcher ssh -launcher-exec {sim_cluster.remote_shell()} "
             f"-n 4 {sys.executable} script.py"
         )
         output = _run(sim_cluster.exec_argv(cluster, "a", [command]), env)

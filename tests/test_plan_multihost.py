@@ -37,8 +37,8 @@ def cluster() -> Iterator[sim_cluster.Cluster]:
 def test_calibrate_across_two_hosts_measures_shared_memory_and_the_shaped_link_apart(cluster, tmp_path):
     out = tmp_path / "cluster.toml"
     command = (
-        f"{sys.executable} -m hpdl.cli.main plan calibrate --quick -H a:2,b:2 --launcher-exec hpdl-cluster-rsh "
-        f"--out {out}"
+        f"{sys.executable} -m hpdl.cli.main plan calibrate --quick -H a:2,b:2 "
+        f"--launcher-exec {sim_cluster.remote_shell()} --out {out}"
     )
     env = dict(os.environ, HPDL_CLUSTER=cluster.name, OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "hpdl.cli.main", "cluster", "--name", cluster.name, "exec", "a", command]

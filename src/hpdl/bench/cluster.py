@@ -114,7 +114,7 @@ def launch(argv: list[str]) -> int:
         try:
             line = [
                 sys.executable, "-m", "hpdl.cli.main", "launch", "-n", str(RANKS), "-H", "a:2,b:2",
-                "--launcher-exec", "hpdl-cluster-rsh", "-m", "hpdl.bench.cluster", *options.forwarded(),
+                "--launcher-exec", sim_cluster.remote_shell(), "-m", "hpdl.bench.cluster", *options.forwarded(),
             ]  # fmt: skip
             argv_on_a = [sys.executable, "-m", "hpdl.cli.main", "cluster", "--name", name, "exec", "a", *line]
             env = dict(os.environ, HPDL_CLUSTER=name, OMP_NUM_THREADS="1")

@@ -27,10 +27,11 @@ import shutil
 import socket
 import string
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-__all__ = ["Cluster", "available", "down", "exec_argv", "load", "set_link", "shape", "up"]
+__all__ = ["Cluster", "available", "down", "exec_argv", "load", "remote_shell", "set_link", "shape", "up"]
 
 STATE_DIR = "/run/hpdl-cluster"
 SUBNET = "10.231"
@@ -53,6 +54,13 @@ class Cluster:
     @property
     def switch(self) -> str:
         return f"{self.name}-sw"
+
+
+def remote_shell() -> str:
+    """The path of `hpdl-cluster-rsh` beside this Python: a launcher runs it by path, and the environment's bin
+    folder need not be on PATH (in CI it is not)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "hpdl-cluster-rsh")
+    return beside if os.access(beside, os.X_OK) else "hpdl-cluster-rsh"
 
 
 def available() -> Optional[str]:
