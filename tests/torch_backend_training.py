@@ -203,13 +203,9 @@ def accelerate_loop(comm: Any) -> tuple:
     return dist.get_backend(), [p.detach().tolist() for p in accelerator.unwrap_model(wrapped).parameters()]
 
 
-def lightning_fit(comm: Any) -> tuple:
-    """PyTorch Lightning: DDPStrategy(process_group_backend="hpdl") with its MPI cluster environment."""
+def lightning_module() -> Any:
+    """The float64 MLP as a LightningModule: mse loss, SGD with momentum (the same steps as `_train`)."""
     import pytorch_lightning as pl
-    from lightning_fabric.plugins.environments import MPIEnvironment
-    from pytorch_lightning.strategies import DDPStrategy
-
-    groups()
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -223,12 +219,22 @@ def lightning_fit(comm: Any) -> tuple:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
+    return Module()
+
+
+def lightning_fit(comm: Any) -> tuple:
+    """PyTorch Lightning: DDPStrategy(process_group_backend="hpdl") with its MPI cluster environment."""
+    import pytorch_lightning as pl
+    from lightning_fabric.plugins.environments import MPIEnvironment
+    from pytorch_lightning.strategies import DDPStrategy
+
+    groups()
     from mpi4py import MPI
 
     size = MPI.COMM_WORLD.Get_size()  # the group may not exist yet: then Lightning creates it
     x, y = data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH // size)
-    module = Module()
+    module = lightning_module()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=size,

@@ -22,7 +22,7 @@ from torch import nn
 
 import hpdl
 from hpdl.runtime.environment import detect
-from torch_backend_training import BATCH, LR, STEPS, _train, data, make_model
+from torch_backend_training import BATCH, LR, STEPS, _train, data, lightning_module, make_model
 
 
 def shard() -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,24 +131,12 @@ def lightning() -> dict:
     from lightning_fabric.plugins.environments import LightningEnvironment, MPIEnvironment
     from pytorch_lightning.strategies import DDPStrategy
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = make_model()
-
-        def training_step(self, batch: Any, index: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-
     # under MPI launchers Lightning's MPI environment; alone, its own (which sets MASTER_ADDR and friends)
     environment = MPIEnvironment() if MPIEnvironment.detect() else LightningEnvironment()
     x, y = data()
     size = environment.world_size()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH // size)
-    module = Module()
+    module = lightning_module()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=size,
