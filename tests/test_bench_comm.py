@@ -25,13 +25,17 @@ def test_quick_run_writes_every_op_and_column(tmp_path: Path) -> None:
         assert record["median_us"] > 0 and record["reps"] >= 1 and record["correct"]
         assert record["mpi_library_version"] and record["torch_version"] and record["hostname"]
     sections = {r["section"] for r in records}
-    assert {"latency", "loop", "copy", "fusion", "debug"} <= sections
+    assert {"latency", "loop", "root", "copy", "fusion", "debug"} <= sections
     loops = {(r["op"], r["column"], r["bytes"]) for r in records if r["section"] == "loop"}
     assert loops == {(op, column, n) for op in OPS for column in ("hpdl-mpi", "mpi4py") for n in (4, 1024, 65536)}
+    root = {(r["column"], r["bytes"], r["timing"]) for r in records if r["section"] == "root"}
+    assert root == {(column, n, "rank 0") for column in ("hpdl-mpi", "mpi4py") for n in (4, 1024, 65536, 1 << 20)}
 
     markdown = (tmp_path / "comm.md").read_text()
     assert "### allreduce" in markdown and "## Back-to-back calls" in markdown and "## Targets" in markdown
     assert "back-to-back calls: hpdl-mpi within 1.30x of mpi4py" in markdown
+    assert "## Broadcast, the root's time" in markdown
+    assert "the root's time back to back: hpdl-mpi within 1.10x of mpi4py from 64 KiB" in markdown
 
 
 def test_bad_arguments_return_an_exit_code_instead_of_raising() -> None:

@@ -421,3 +421,81 @@ def test_the_mpi_module_links_the_wrappers_libmpi_where_another_libmpi_is_found_
     needed = subprocess.run(["readelf", "-d", module], capture_output=True, text=True, check=True).stdout
     assert "libdecoy_mpi.so" not in needed
     assert "[libmpi.so" in needed, needed
+
+
+def compiled_counts(comm):
+    """One small blocking call of each kind the compiled `Fast` takes (send and recv between ranks 0 and 1), and one
+    it leaves to Python (async_op): how many calls it counted for each; the state's type; and the agreement entry
+    as C and Python encode it."""
+    from hpdl.comm import _mpi_fast, agreement, fast_state  # type: ignore[attr-defined]
+
+    size = comm.size
+    before = comm._compiled.taken()
+    comm.allreduce(torch.ones(1))
+    comm.broadcast(torch.ones(1), root=size - 1)
+    comm.allgather(torch.ones(1), out=torch.empty(size))
+    comm.reduce_scatter(torch.ones(size), out=torch.empty(1))
+    comm.allreduce(torch.ones(1), async_op=True).wait()  # the Python fast path's
+    if comm.rank < 2:  # ranks 0 and 1: one send and one receive each
+        got = torch.zeros(2)
+        for sends in (comm.rank == 0, comm.rank == 1):
+            comm.send(torch.ones(2), 1 - comm.rank, tag=3) if sends else comm.recv(got, 1 - comm.rank, tag=3)
+        assert got.tolist() == [1.0, 1.0]
+    after = comm._compiled.taken()
+    fields = sorted(name for name, kind in vars(_mpi_fast.State).items() if type(kind).__name__ == "member_descriptor")
+    code = agreement.code("allgather", "float32", "")
+    cases = [(0, 0, 0), (0xFFFFFFFF, 0, 0), (code, 4096, 0), (code, 12, -1), (code, (1 << 48) - 1, 10**6)]
+    entries = [(_mpi_fast.agreement_entry(*case), agreement.entry(*case)) for case in cases]
+    shared = type(comm._state) is _mpi_fast.State and comm._state is not None
+    taken = {k: after[k] - before[k] for k in after}
+    return taken, fields, sorted(fast_state.FIELDS), entries, shared, comm._probe_first
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_the_compiled_path_takes_the_calls_and_shares_state_by_contract(ranks, nprocs):
+    """The compiled `Fast` must keep taking the small blocking calls: with its state out of step with Python's (a
+    field renamed on one side, a flag Python no longer sets), every call would pass to the Python path, still
+    correct, and slower (2 ranks: through the pair's messages; 3: MPI's collectives; send and recv: messages)."""
+    for rank, (taken, fields, python_fields, entries, shared, probe_first) in enumerate(
+        ranks("mpi", nprocs).run(compiled_counts)
+    ):
+        peer = int(rank < 2)
+        assert taken == {
+            "allreduce": 1,
+            "allgather": 1,
+            "reduce_scatter": 1,
+            "broadcast": 1,
+            "send": peer,
+            "recv": 0 if probe_first else peer,  # (probing first, the Python path receives: pairs.probe_first)
+        }
+        assert fields == python_fields and shared  # one contract: fast_state.FIELDS, the C struct's members
+        assert all(c == p for c, p in entries), entries  # the agreement entry: _mpi_fast.entry_of == agreement.entry
+
+
+MATRIX_ON_MPI4PY = (
+    "test_allreduce_every_dtype_op_size",
+    "test_allgather_uneven_sizes",
+    "test_allgather_of_rows_that_differ_raises_on_every_rank",
+    "test_reduce_scatter",
+    "test_broadcast",
+    "test_send_recv_ring",
+    "test_async_forms",
+    "test_allreduce_coalesced",
+    "test_results_into_caller_buffers",
+    "test_split",
+)
+"""test_collectives' matrix where the Python fast paths differ from the compiled ones (every dtype, op and size
+of each fast path, the agreement entries they record, send/recv, async, fusion's flat buffers, `out`, a split's new
+communicator); not its large buffers and alltoall, which take the general path either way, nor the shared-memory
+engine's flags without the compiled module (test_shared_memory runs those)."""
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("test", MATRIX_ON_MPI4PY)
+def test_the_collective_matrix_on_mpi4py_calls(ranks, nprocs, test):
+    """The same tests as test_collectives, on this file's HPDL_COMPILED=0 pools (already started here: no pool
+    starts for it), where the Python fast paths take every call: on 2 ranks through the Python pair (pairs.py),
+    on 3 through mpi4py's calls (mpi_calls.Calls)."""
+    import test_collectives
+
+    getattr(test_collectives, test)(ranks("mpi", nprocs, env={"HPDL_COMPILED": "0"}))

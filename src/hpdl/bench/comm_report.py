@@ -25,7 +25,7 @@ from hpdl.bench.comm_spec import (
     TARGET_VS_MPI4PY_FROM,
 )
 
-__all__ = ["op_tables", "loop_table", "fusion_table", "debug_table", "targets", "header_lines", "plot"]
+__all__ = ["op_tables", "loop_table", "root_table", "fusion_table", "debug_table", "targets", "header_lines", "plot"]
 
 
 def _by(records: Sequence[dict[str, Any]], section: str) -> dict[tuple[str, int, str], dict[str, Any]]:
@@ -95,6 +95,16 @@ def loop_table(records: Sequence[dict[str, Any]]) -> str:
     return report.markdown_table(["op", "size", "hpdl-mpi µs per call", "mpi4py µs per call", "hpdl-mpi/mpi4py"], rows)
 
 
+def root_table(records: Sequence[dict[str, Any]]) -> str:
+    """The root's time per broadcast in back-to-back calls: hpdl-mpi and mpi4py per size, and their ratio."""
+    root = _by(records, "root")
+    rows = []
+    for n in sorted({n for _, n, _ in root}):
+        ours, raw = root.get(("broadcast", n, "hpdl-mpi")), root.get(("broadcast", n, "mpi4py"))
+        rows.append([report.format_bytes(n), _lat(ours), _lat(raw), _fmt_ratio(_ratio(ours, raw))])
+    return report.markdown_table(["size", "hpdl-mpi µs per call", "mpi4py µs per call", "hpdl-mpi/mpi4py"], rows)
+
+
 def fusion_table(records: Sequence[dict[str, Any]]) -> str:
     rows = []
     fusion = {r["column"]: r for r in records if r["section"] == "fusion"}
@@ -153,6 +163,26 @@ def targets(records: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[str
                 TARGET_VS_MPI4PY,
             )
         )
+    root = _by(records, "root")
+    root_sizes = sorted({n for _, n, _ in root})
+    for claim, chosen, limit in (
+        (f"up to {report.format_bytes(TARGET_SMALL_UP_TO)}", [n for n in root_sizes if n <= TARGET_SMALL_UP_TO],
+         TARGET_SMALL_VS_MPI4PY),
+        (f"from {report.format_bytes(TARGET_VS_MPI4PY_FROM)}", [n for n in root_sizes if n >= TARGET_VS_MPI4PY_FROM],
+         TARGET_VS_MPI4PY),
+    ):  # fmt: skip
+        if chosen:
+            ratios = [
+                (_ratio(root.get(("broadcast", n, "hpdl-mpi")), root.get(("broadcast", n, "mpi4py"))), n)
+                for n in chosen
+            ]
+            lines.append(
+                _verdict(
+                    f"broadcast, the root's time back to back: hpdl-mpi within {limit:.2f}x of mpi4py {claim}",
+                    ratios,
+                    limit,
+                )
+            )
     ratios = [
         (_ratio(lat.get(("allreduce", n, "hpdl-mpi")), lat.get(("allreduce", n, "torch.distributed"))), n)
         for n in sizes

@@ -40,6 +40,11 @@ LOOP_CALLS = 100
 """Back-to-back calls per repetition in the loop section (OSU-style: one barrier, then the calls)."""
 LOOP_UP_TO = 64 * KIB
 """Largest message of the loop section: above it a call's own cost no longer matters."""
+ROOT_CALLS = 200
+"""Back-to-back broadcasts per repetition in the root's section: the root's own time (issue 53's measure; an
+eager send lets the root run ahead of the receivers, so the max over ranks hides what a call costs the root)."""
+ROOT_UP_TO = MIB
+"""Largest broadcast of the root's section (its targets: up to 16 KiB, and from 64 KiB)."""
 
 TIMING = (
     "columns in a new random order every repetition (the same on every rank); "

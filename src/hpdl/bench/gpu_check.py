@@ -12,6 +12,12 @@ Prints one table (see ../shared/GPU.md):
 - hpdl beside NCCL in one torch group ("cpu:hpdl,cuda:nccl", torch >= 2.14;
   one rank, since NCCL needs a GPU per rank): CPU tensors through hpdl,
   CUDA tensors through NCCL;
+- one Keras 3 step (torch backend) on GPU tensors with hpdl.keras'
+  DistributedOptimizer on 2 ranks, each half the batch, the gradients
+  staged through hpdl's collectives, against one process on the whole
+  batch: same weights, and both times (skipped, as n/a, on the CPU dry
+  run: Keras' start-up is seconds per rank and the CPU path is tested in
+  tests/test_keras.py);
 - hpdl.ml's K-Means and k-NN on device arrays (CuPy when it is installed,
   else torch CUDA tensors) against the same fit on NumPy: same answers,
   and the speed-up.
@@ -37,7 +43,7 @@ __all__ = ["launch", "main"]
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "reduce_scatter 8 MiB", "broadcast", "alltoall", "sendrecv")
 """("reduce_scatter 8 MiB": a block each way above the size from which the mpi backend leaves a CUDA tensor to a
-CUDA-aware MPI's collective instead of messages staged through the host, mpi_backend._DEVICE_PAIR_BELOW)"""
+CUDA-aware MPI's collective instead of messages staged through the host, mpi_general.DEVICE_PAIR_BELOW)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +173,57 @@ def training_step(comm: Any, device: Any) -> list[tuple[str, str, str]]:
     agree = abs(losses["plain"] - losses["DataParallel"]) < 1e-4
     detail = f"plain {timings['plain']:.2f} ms, DataParallel {timings['DataParallel']:.2f} ms per step"
     return [("training step", "PASS" if agree else "FAIL", detail)]
+
+
+def keras_step(comm: Any, device: Any) -> list[tuple[str, str, str]]:
+    """One Keras step on `device`: hpdl.keras on the ranks (half the batch each) against one process."""
+    if device.type != "cuda":
+        return [("keras step", "n/a", "needs a CUDA device (--device cuda); the CPU path: tests/test_keras.py")]
+    if "keras" not in sys.modules:
+        os.environ.setdefault("KERAS_BACKEND", "torch")
+    try:
+        import keras
+    except ImportError:
+        return [("keras step", "n/a", "keras is not installed (pip install hpdl[tensorflow])")]
+    if keras.backend.backend() != "torch":
+        return [("keras step", "n/a", f"KERAS_BACKEND={keras.backend.backend()}; the GPU row runs on torch")]
+    import numpy as np
+    import torch
+
+    import hpdl.keras as hvd
+
+    hvd.init()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(256, 64)).astype("float32"), rng.integers(0, 10, 256)
+    init = None
+    weights, times = {}, {}
+    for name in ("one process", "hpdl.keras"):
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)]
+        )
+        init = init or [np.asarray(w) for w in model.get_weights()]
+        model.set_weights(init)
+        optimizer = keras.optimizers.SGD(0.1)
+        xs, ys = x, y
+        if name == "hpdl.keras":
+            optimizer = hvd.DistributedOptimizer(optimizer)
+            xs, ys = x[comm.rank :: comm.size], y[comm.rank :: comm.size]
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        steps = []
+        for _ in range(6):
+            model.set_weights(init)
+            started = time.perf_counter()
+            model.train_on_batch(xs, ys)
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - started)
+        on_gpu = model.trainable_variables[0].value.device.type == "cuda"
+        weights[name] = [np.asarray(w) for w in model.get_weights()]
+        times[name] = (sorted(steps[1:])[len(steps[1:]) // 2] * 1e3, on_gpu)
+    error = max(float(np.abs(a - b).max()) for a, b in zip(weights["one process"], weights["hpdl.keras"]))
+    ok = error < 1e-5 and all(g for _, g in times.values())
+    detail = (f"one process {times['one process'][0]:.2f} ms, hpdl.keras on {comm.size} ranks "
+              f"{times['hpdl.keras'][0]:.2f} ms per step; weights differ by {error:.1e}")  # fmt: skip
+    return [("keras step", "PASS" if ok else "FAIL", detail)]
 
 
 def torch_backend(device: Any) -> list[tuple[str, str, str]]:
@@ -392,6 +449,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         why = unavailable()  # not a failure of this machine: the torch installed is older than the backend's
         results += [("backend", "n/a", why)] if why else torch_backend(device)
+        results += keras_step(comm, device)
     else:
         results += ml_on_device(device)
     if comm.rank == 0:

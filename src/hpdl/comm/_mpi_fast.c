@@ -8,6 +8,7 @@
    running MPI (the same predefined handles) before anything calls it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <limits.h>
 #include <mpi.h>
 #include <sched.h>
@@ -770,27 +771,138 @@ static PyTypeObject PairType = {
               "messages (see hpdl/comm/pairs.py).",
 };
 
+/* ------------------------------------------------------------------ the shared state
+
+   `State` is what the blocking fast paths below and the communicator's Python share, by contract: one object per
+   communicator (MpiCommunicator._state), whose fields both sides read and write by these names. Python's side of
+   the contract, with what each field means and who writes it, is hpdl/comm/fast_state.py (FIELDS, and a Python
+   class with the same fields for a process without this module); tests/test_compiled.py checks that the two list
+   the same fields and that the compiled paths take calls. A field renamed on one side only is an AttributeError
+   at the communicator's start, not a silent slow path. */
+
+typedef struct {
+    PyObject_HEAD long long seq; /* the communicator's collectives so far (its last sequence number) */
+    long long every;             /* the agreement check's period (0: off) */
+    PyObject *ring;              /* the agreement ring: a list of `every` ints (agreement.Ledger.ring) */
+    PyObject *pair;              /* the two-rank messages' Pair, or None */
+    char plain;                  /* fast calls allowed: neither debug nor tracing nor closed */
+    double fast_below[KINDS];    /* per operation, the bytes from which a call leaves the fast path */
+    double pair_below[KINDS];    /* per operation, the bytes each way below which it travels as the pair's messages */
+} State;
+
+static int state_traverse(State *self, visitproc visit, void *arg) {
+    Py_VISIT(self->ring);
+    Py_VISIT(self->pair);
+    return 0;
+}
+
+static int state_clear(State *self) {
+    Py_CLEAR(self->ring);
+    Py_CLEAR(self->pair);
+    return 0;
+}
+
+static void state_dealloc(State *self) {
+    PyObject_GC_UnTrack(self);
+    state_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define BELOW(name, array, kind) {name, T_DOUBLE, offsetof(State, array) + (kind) * sizeof(double), 0, NULL}
+static PyMemberDef state_members[] = {
+    {"seq", T_LONGLONG, offsetof(State, seq), 0, NULL},
+    {"every", T_LONGLONG, offsetof(State, every), 0, NULL},
+    {"ring", T_OBJECT, offsetof(State, ring), 0, NULL},
+    {"pair", T_OBJECT, offsetof(State, pair), 0, NULL},
+    {"plain", T_BOOL, offsetof(State, plain), 0, NULL},
+    BELOW("fast_allreduce_below", fast_below, ALLREDUCE),
+    BELOW("fast_allgather_below", fast_below, ALLGATHER),
+    BELOW("fast_reduce_scatter_below", fast_below, REDUCE_SCATTER),
+    BELOW("fast_broadcast_below", fast_below, BROADCAST),
+    BELOW("pair_allreduce_below", pair_below, ALLREDUCE),
+    BELOW("pair_allgather_below", pair_below, ALLGATHER),
+    BELOW("pair_reduce_scatter_below", pair_below, REDUCE_SCATTER),
+    BELOW("pair_broadcast_below", pair_below, BROADCAST),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject StateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hpdl.comm._mpi_fast.State",
+    .tp_basicsize = sizeof(State),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)state_dealloc,
+    .tp_traverse = (traverseproc)state_traverse,
+    .tp_clear = (inquiry)state_clear,
+    .tp_members = state_members,
+    .tp_doc = "State(): what a communicator's compiled and Python fast paths share (see hpdl/comm/fast_state.py).",
+};
+
+/* ------------------------------------------------------------------ the agreement entry
+
+   One collective as one int for the agreement check's ring: code | bytes << 32 | (extra + 1) << 80. The only
+   place in C that encodes it; Python's is hpdl.comm.agreement.entry (tests/test_compiled.py compares the two
+   through `agreement_entry` below). */
+
+static PyObject *shift80; /* 1 << 80: the count field of extra 0, the common case */
+
+static PyObject *entry_of(long long code, long long nbytes, long long extra) {
+    PyObject *low = NULL, *count = NULL;
+    if (nbytes >= 0 && nbytes < (1LL << 32)) /* (the fast paths' sizes: below 2 GiB) */
+        low = PyLong_FromUnsignedLongLong((unsigned long long)code | (unsigned long long)nbytes << 32);
+    else {
+        PyObject *n = PyLong_FromLongLong(nbytes), *shift = PyLong_FromLong(32), *c = PyLong_FromLongLong(code);
+        PyObject *high = (n && shift) ? PyNumber_Lshift(n, shift) : NULL;
+        low = (high && c) ? PyNumber_Or(high, c) : NULL;
+        Py_XDECREF(n);
+        Py_XDECREF(shift);
+        Py_XDECREF(c);
+        Py_XDECREF(high);
+    }
+    if (low != NULL && extra == 0) {
+        Py_INCREF(shift80);
+        count = shift80;
+    } else if (low != NULL) {
+        PyObject *e = PyLong_FromLongLong(extra + 1), *shift = PyLong_FromLong(80);
+        count = (e && shift) ? PyNumber_Lshift(e, shift) : NULL;
+        Py_XDECREF(e);
+        Py_XDECREF(shift);
+    }
+    PyObject *entry = (low && count) ? PyNumber_Or(low, count) : NULL;
+    Py_XDECREF(low);
+    Py_XDECREF(count);
+    return entry;
+}
+
+/* agreement_entry(code, nbytes, extra): the entry as this module writes it (for the test that compares) */
+static PyObject *agreement_entry(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(3);
+    long long code = PyLong_AsLongLong(args[0]), nbytes = PyLong_AsLongLong(args[1]), extra = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    return entry_of(code, nbytes, extra);
+}
+
 /* ------------------------------------------------------------------ the blocking fast paths
 
    `Fast` holds one communicator's blocking fast paths for allreduce, allgather, reduce_scatter and broadcast:
-   the same checks, numbering, progress post and agreement entry as MpiCommunicator's Python fast paths (which
-   stay the reference, and which take every call this code does not: async_op, debug, tracing, other dtypes or
-   devices, out=None, sizes above the thresholds), without a Python frame. A call it does not take goes, with
-   its arguments unchanged, to the Python method. The communicator's changing state (_plain, _seq, _every,
-   _ring, the per-operation size limits) is read from its __dict__ on every call, so nothing is cached that
-   Python could change. */
+   the same checks, numbering, progress post and agreement entry as MpiCommunicator's Python fast paths
+   (hpdl/comm/mpi_fast_paths.py, which stay the reference, and which take every call this code does not:
+   async_op, debug, tracing, other dtypes or devices, out=None, sizes above the thresholds), without a Python
+   frame. A call it does not take goes, with its arguments unchanged, to the Python method. The communicator's
+   changing state (plain, seq, every, ring, the per-operation size limits, the pair) is read from its `State` on
+   every call, so nothing is cached that Python could change. `taken()` counts the calls it took, per operation:
+   the test that the compiled path still takes calls reads it. */
 
 #define MAX_DTYPES 24
 #define MAX_OPS 4
 #define MAX_ROOTS 64
 
 typedef struct {
-    PyObject_HEAD PyObject *dict; /* the communicator's __dict__ */
-    PyObject *python[KINDS];      /* the Python fast paths, bound */
+    PyObject_HEAD State *state; /* what the communicator's Python shares with this code (see State) */
+    PyObject *python[KINDS];    /* the Python fast paths, bound */
     PyObject *slow;               /* comm._fast_slow(op, seq, keep, request, code): the bounded wait, or the error */
     PyObject *check;              /* agreement.check bound to the communicator: check(seq) */
     PyObject *tensor_type;
-    PyObject *shift80;            /* 1 << 80, the agreement entry's count field for one */
     MPI_Comm comm;
     int rank, size;
     int64_t *board; /* this rank's progress words: sequence number, operation code */
@@ -807,24 +919,32 @@ typedef struct {
     MPI_Op ops[MAX_OPS];
     long long entry_key[KINDS][3]; /* per operation, the last agreement entry's (code, bytes, extra) */
     PyObject *entry[KINDS];        /* and the entry: a loop's calls repeat it (three big-int operations less) */
+    unsigned long long taken[KINDS]; /* calls this code took, per operation */
+    PyObject *peer_python[2];        /* send, recv: the Python fast paths, bound (add_peer_paths; else NULL) */
+    PyObject *peer_finish;           /* comm._peer_finish: a send's or recv's bounded wait, or its error */
+    unsigned long long peer_taken[2];
 } Fast;
 
-static PyObject *s_root, *s_plain, *s_seq, *s_every, *s_ring, *s_below[KINDS], *s_dtype, *s_is_cpu, *s_nbytes, *s_shape,
-    *s_data_ptr, *s_is_contiguous, *s_op, *s_async_op, *s_out, *s_sizes, *s_pair_below[KINDS], *s_pair;
+static PyObject *s_root, *s_tag, *s_dtype, *s_is_cpu, *s_nbytes, *s_shape, *s_data_ptr, *s_is_contiguous, *s_op, *s_async_op,
+    *s_out, *s_sizes;
 
 static int fast_traverse(Fast *self, visitproc visit, void *arg) {
-    Py_VISIT(self->dict);
+    Py_VISIT(self->state);
     for (int i = 0; i < KINDS; i++) Py_VISIT(self->python[i]);
     Py_VISIT(self->slow);
     Py_VISIT(self->check);
+    for (int i = 0; i < 2; i++) Py_VISIT(self->peer_python[i]);
+    Py_VISIT(self->peer_finish);
     return 0;
 }
 
 static int fast_clear(Fast *self) {
-    Py_CLEAR(self->dict);
+    Py_CLEAR(self->state);
     for (int i = 0; i < KINDS; i++) Py_CLEAR(self->python[i]);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->check);
+    for (int i = 0; i < 2; i++) Py_CLEAR(self->peer_python[i]);
+    Py_CLEAR(self->peer_finish);
     return 0;
 }
 
@@ -832,30 +952,29 @@ static void fast_dealloc(Fast *self) {
     PyObject_GC_UnTrack(self);
     fast_clear(self);
     Py_CLEAR(self->tensor_type);
-    Py_CLEAR(self->shift80);
     for (int i = 0; i < self->ndtypes; i++) Py_CLEAR(self->dtypes[i]);
     for (int i = 0; i < MAX_OPS; i++) Py_CLEAR(self->op_names[i]);
     for (int i = 0; i < KINDS; i++) Py_CLEAR(self->entry[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Fast(comm, handle, rank, size, board_address, tensor_type, progress_codes, python_methods, slow, check) */
+/* Fast(state, handle, rank, size, board_address, tensor_type, progress_codes, python_methods, slow, check) */
 static int fast_init(Fast *self, PyObject *args, PyObject *kwds) {
-    PyObject *comm, *handle_obj, *board, *tensor_type, *codes, *methods, *slow, *check;
+    PyObject *state, *handle_obj, *board, *tensor_type, *codes, *methods, *slow, *check;
     int rank, size;
-    if (!PyArg_ParseTuple(args, "OOiiOOO!O!OO", &comm, &handle_obj, &rank, &size, &board, &tensor_type, &PyTuple_Type,
-                          &codes, &PyTuple_Type, &methods, &slow, &check))
+    if (!PyArg_ParseTuple(args, "O!OiiOOO!O!OO", &StateType, &state, &handle_obj, &rank, &size, &board, &tensor_type,
+                          &PyTuple_Type, &codes, &PyTuple_Type, &methods, &slow, &check))
         return -1;
     if (PyTuple_GET_SIZE(codes) != KINDS || PyTuple_GET_SIZE(methods) != KINDS) {
         PyErr_SetString(PyExc_ValueError, "hpdl._mpi_fast.Fast: one code and one method per operation");
         return -1;
     }
-    if (self->dict != NULL) {
+    if (self->state != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast.Fast: already initialised");
         return -1;
     }
-    self->dict = PyObject_GenericGetDict(comm, NULL);
-    if (self->dict == NULL) return -1;
+    Py_INCREF(state);
+    self->state = (State *)state;
     self->comm = (MPI_Comm)handle(handle_obj);
     self->rank = rank;
     self->size = size;
@@ -871,11 +990,38 @@ static int fast_init(Fast *self, PyObject *args, PyObject *kwds) {
     self->slow = slow;
     Py_INCREF(check);
     self->check = check;
-    PyObject *one = PyLong_FromLong(1), *eighty = PyLong_FromLong(80);
-    self->shift80 = (one && eighty) ? PyNumber_Lshift(one, eighty) : NULL;
-    Py_XDECREF(one);
-    Py_XDECREF(eighty);
-    return PyErr_Occurred() || self->shift80 == NULL ? -1 : 0;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* taken() -> {operation: calls}: the calls this code took (not handed to the Python method) */
+static PyObject *fast_taken(Fast *self, PyObject *unused) {
+    PyObject *out = PyDict_New();
+    for (int i = 0; out != NULL && i < KINDS; i++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(self->taken[i]);
+        if (n == NULL || PyDict_SetItem(out, s_kind_names[i], n) < 0) Py_CLEAR(out);
+        Py_XDECREF(n);
+    }
+    for (int i = 0; out != NULL && i < 2; i++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(self->peer_taken[i]);
+        if (n == NULL || PyDict_SetItemString(out, i ? "recv" : "send", n) < 0) Py_CLEAR(out);
+        Py_XDECREF(n);
+    }
+    return out;
+}
+
+/* add_peer_paths(send, recv or None, finish): take blocking sends (and receives, where `recv` is given) too;
+   `send`/`recv` the Python fast paths (every call not taken goes there), `finish(kind, peer, tag, tensor, request,
+   code, got)` the bounded wait of one still running after the short wait, or its error. */
+static PyObject *fast_add_peer_paths(Fast *self, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(3);
+    for (int i = 0; i < 2; i++) {
+        PyObject *method = args[i] == Py_None ? NULL : args[i];
+        Py_XINCREF(method);
+        Py_XSETREF(self->peer_python[i], method);
+    }
+    Py_INCREF(args[2]);
+    Py_XSETREF(self->peer_finish, args[2]);
+    Py_RETURN_NONE;
 }
 
 /* add_op(name, op_handle) -> index */
@@ -970,86 +1116,50 @@ static long long call_long(PyObject *obj, PyObject *name) {
     return result;
 }
 
-/* Whether the communicator takes fast calls now (_plain) and `nbytes` is below this operation's limit. */
+/* Whether the communicator takes fast calls now (plain) and `nbytes` is below this operation's limit. */
 static int open_for(Fast *self, int kind, double nbytes) {
-    PyObject *plain = PyDict_GetItem(self->dict, s_plain);
-    if (plain != Py_True) return 0;
-    PyObject *below = PyDict_GetItem(self->dict, s_below[kind]);
-    double limit = below == NULL ? 0 : PyFloat_AsDouble(below);
-    if (limit == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear(); /* not a number: the Python path reads it and says so */
-        return 0;
-    }
-    return nbytes < limit && nbytes < 2147483648.0; /* an int count, whatever the limit says */
+    return self->state->plain && nbytes < self->state->fast_below[kind] && nbytes < 2147483648.0; /* an int count,
+                                                                                                     whatever the limit says */
 }
 
-/* Number the call, post progress, record its agreement entry (code | bytes << 32 | (extra + 1) << 80) and run
-   the check when it is due: the sequence number, or -1 with an exception set. */
+/* Number the call, post progress, record its agreement entry (entry_of) and run the check when it is due: the
+   sequence number, or -1 with an exception set. */
 static long long begin(Fast *self, int kind, long long code, long long nbytes, long long extra) {
-    PyObject *seq_obj = PyDict_GetItem(self->dict, s_seq);
-    long long seq = seq_obj == NULL ? -1 : PyLong_AsLongLong(seq_obj);
-    if (seq < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast: no sequence number");
-        return -1;
-    }
-    seq += 1;
-    PyObject *next = PyLong_FromLongLong(seq);
-    if (next == NULL || PyDict_SetItem(self->dict, s_seq, next) < 0) {
-        Py_XDECREF(next);
-        return -1;
-    }
-    Py_DECREF(next);
+    State *state = self->state;
+    long long seq = ++state->seq;
     self->board[0] = seq;
     self->board[1] = self->progress_code[kind];
-    PyObject *every_obj = PyDict_GetItem(self->dict, s_every);
-    long long every = every_obj == NULL ? 0 : PyLong_AsLongLong(every_obj);
+    long long every = state->every;
     if (every > 0) {
-        PyObject *ring = PyDict_GetItem(self->dict, s_ring);
-        long long *key = self->entry_key[kind];
-        if (self->entry[kind] != NULL && key[0] == code && key[1] == nbytes && key[2] == extra) {
-            if (ring == NULL || !PyList_Check(ring) || PyList_GET_SIZE(ring) < every) {
-                PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast: no agreement ring");
-                return -1;
-            }
-            Py_INCREF(self->entry[kind]);
-            PyList_SetItem(ring, (Py_ssize_t)(seq % every), self->entry[kind]); /* steals the new reference */
-            goto placed;
-        }
-        PyObject *low = PyLong_FromUnsignedLongLong((unsigned long long)code | (unsigned long long)nbytes << 32);
-        PyObject *count = extra == 0 ? (Py_INCREF(self->shift80), self->shift80) : NULL;
-        if (count == NULL && low != NULL) {
-            PyObject *e = PyLong_FromLongLong(extra + 1), *shift = PyLong_FromLong(80);
-            count = (e && shift) ? PyNumber_Lshift(e, shift) : NULL;
-            Py_XDECREF(e);
-            Py_XDECREF(shift);
-        }
-        PyObject *entry = (low && count) ? PyNumber_Or(low, count) : NULL;
-        Py_XDECREF(low);
-        Py_XDECREF(count);
-        if (entry == NULL || ring == NULL || !PyList_Check(ring) || PyList_GET_SIZE(ring) < every) {
-            Py_XDECREF(entry);
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast: no agreement ring");
+        PyObject *ring = state->ring;
+        if (ring == NULL || !PyList_Check(ring) || PyList_GET_SIZE(ring) < every) {
+            PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast: no agreement ring");
             return -1;
         }
-        key[0] = code;
-        key[1] = nbytes;
-        key[2] = extra;
-        Py_INCREF(entry);
-        Py_XSETREF(self->entry[kind], entry);
-        PyList_SetItem(ring, (Py_ssize_t)(seq % every), entry); /* steals entry */
-    placed:
+        long long *key = self->entry_key[kind];
+        if (self->entry[kind] == NULL || key[0] != code || key[1] != nbytes || key[2] != extra) {
+            PyObject *entry = entry_of(code, nbytes, extra);
+            if (entry == NULL) return -1;
+            key[0] = code;
+            key[1] = nbytes;
+            key[2] = extra;
+            Py_XSETREF(self->entry[kind], entry);
+        }
+        Py_INCREF(self->entry[kind]);
+        PyList_SetItem(ring, (Py_ssize_t)(seq % every), self->entry[kind]); /* steals the new reference */
         if (seq % every == 0) {
             PyObject *done = PyObject_CallFunction(self->check, "L", seq);
             if (done == NULL) return -1;
             Py_DECREF(done);
         }
     }
+    self->taken[kind]++;
     return seq;
 }
 
 /* After the MPI call started with `rc`: wait up to WAIT seconds; then the result (a new reference to `result`),
    or the bounded wait / error through comm._fast_slow. */
-#define WAIT_SECONDS 2e-3 /* mpi_backend._WAIT: the Python fast paths' own */
+#define WAIT_SECONDS 2e-3 /* mpi_fast_paths._WAIT: the Python fast paths' own */
 /* What the slow path keeps alive while MPI works: `a`, or (a, b) when `b` is given (built only then: a tuple per
    call would cost an allocation and the garbage collector's visits). */
 static PyObject *keep_of(PyObject *a, PyObject *b) {
@@ -1096,15 +1206,9 @@ static PyObject *complete(Fast *self, int kind, long long seq, int rc, MPI_Reque
 /* The communicator's Pair when it takes a message of `nbytes` of this kind (each way: the allreduce's buffer, an
    allgather's or reduce_scatter's block, the broadcast's buffer; the Python paths compare the same), else NULL. */
 static Pair *pair_for(Fast *self, int kind, long long nbytes) {
-    PyObject *pair = PyDict_GetItem(self->dict, s_pair);
+    PyObject *pair = self->state->pair;
     if (pair == NULL || Py_TYPE(pair) != &PairType) return NULL;
-    PyObject *below = PyDict_GetItem(self->dict, s_pair_below[kind]);
-    double limit = below == NULL ? 0 : PyFloat_AsDouble(below);
-    if (limit == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear(); /* not a number: the Python paths read it and say so */
-        return NULL;
-    }
-    return (double)nbytes < limit ? (Pair *)pair : NULL;
+    return (double)nbytes < self->state->pair_below[kind] ? (Pair *)pair : NULL;
 }
 
 /* A pair's exchange after its start (`rc`: MPI's, or -1 with an error set): as `complete`. */
@@ -1134,7 +1238,7 @@ static PyObject *pair_complete(Fast *self, Pair *pair, int kind, long long seq, 
 }
 
 #define READY                                                                                   \
-    if (self->dict == NULL) {                                                                   \
+    if (self->state == NULL) {                                                                  \
         PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast.Fast: not initialised, or cleared"); \
         return NULL;                                                                            \
     }
@@ -1169,7 +1273,7 @@ static PyObject *fast_allreduce(Fast *self, PyObject *const *args, size_t nargsf
     if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 2) || (nargs == 2 && values[0]))
         return python(self, ALLREDUCE, args, nargs, kwnames);
     PyObject *tensor = args[0], *op = nargs == 2 ? args[1] : values[0];
-    if ((values[1] != NULL && values[1] != Py_False) || PyDict_GetItem(self->dict, s_plain) != Py_True)
+    if ((values[1] != NULL && values[1] != Py_False) || !self->state->plain)
         return python(self, ALLREDUCE, args, nargs, kwnames);
     int plain = plain_cpu_tensor(self, tensor);
     if (plain <= 0) return plain < 0 ? NULL : python(self, ALLREDUCE, args, nargs, kwnames);
@@ -1206,7 +1310,7 @@ static PyObject *fast_broadcast(Fast *self, PyObject *const *args, size_t nargsf
     if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 2) || (nargs == 2 && values[0]))
         return python(self, BROADCAST, args, nargs, kwnames);
     PyObject *tensor = args[0], *root_obj = nargs == 2 ? args[1] : values[0];
-    if ((values[1] != NULL && values[1] != Py_False) || PyDict_GetItem(self->dict, s_plain) != Py_True)
+    if ((values[1] != NULL && values[1] != Py_False) || !self->state->plain)
         return python(self, BROADCAST, args, nargs, kwnames);
     long root = 0;
     if (root_obj != NULL) {
@@ -1273,7 +1377,7 @@ static PyObject *fast_allgather(Fast *self, PyObject *const *args, size_t nargsf
     if ((values[2] != NULL && values[2] != Py_False) || out == NULL ||
         (sizes != NULL && (!(PyList_CheckExact(sizes) || PyTuple_CheckExact(sizes)) ||
                            PySequence_Fast_GET_SIZE(sizes) != self->size)) ||
-        PyDict_GetItem(self->dict, s_plain) != Py_True)
+        !self->state->plain)
         return python(self, ALLGATHER, args, nargs, kwnames);
     int plain = plain_cpu_tensor(self, tensor);
     if (plain > 0) plain = plain_cpu_tensor(self, out);
@@ -1343,7 +1447,7 @@ static PyObject *fast_reduce_scatter(Fast *self, PyObject *const *args, size_t n
     if (nargs < 1 || nargs > 2 || !keywords(args, nargs, kwnames, names, values, 3) || (nargs == 2 && values[0]))
         return python(self, REDUCE_SCATTER, args, nargs, kwnames);
     PyObject *tensor = args[0], *op = nargs == 2 ? args[1] : values[0], *out = values[1], *result = NULL;
-    if ((values[2] != NULL && values[2] != Py_False) || out == NULL || PyDict_GetItem(self->dict, s_plain) != Py_True)
+    if ((values[2] != NULL && values[2] != Py_False) || out == NULL || !self->state->plain)
         return python(self, REDUCE_SCATTER, args, nargs, kwnames);
     int plain = plain_cpu_tensor(self, tensor);
     if (plain > 0) plain = plain_cpu_tensor(self, out);
@@ -1389,6 +1493,70 @@ done:
     return result;
 }
 
+/* send(tensor, dst, *, tag=0, async_op=False) and recv(tensor, src, *, tag=0, async_op=False), blocking, to or from
+   another rank of this communicator: the Python fast paths' (no sequence number, progress post or agreement entry:
+   point-to-point calls have none), the message started and tested here for the short wait. */
+static PyObject *fast_peer(Fast *self, int recv, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    READY;
+    PyObject *python_path = self->peer_python[recv];
+    if (python_path == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "hpdl._mpi_fast.Fast: no Python path for this call");
+        return NULL;
+    }
+    PyObject *names[2] = {s_tag, s_async_op}, *values[2] = {NULL, NULL};
+    if (nargs != 2 || !keywords(args, nargs, kwnames, names, values, 2) || !PyLong_CheckExact(args[1]) ||
+        (values[0] != NULL && !PyLong_CheckExact(values[0])) || (values[1] != NULL && values[1] != Py_False) ||
+        !self->state->plain)
+        return PyObject_Vectorcall(python_path, args, nargsf, kwnames);
+    PyObject *tensor = args[0];
+    int overflow = 0;
+    long peer = PyLong_AsLongAndOverflow(args[1], &overflow), tag = 0;
+    if (!overflow && values[0] != NULL) tag = PyLong_AsLongAndOverflow(values[0], &overflow);
+    if (PyErr_Occurred()) return NULL;
+    if (overflow || peer < 0 || peer >= self->size || peer == self->rank || tag < INT_MIN || tag > INT_MAX)
+        return PyObject_Vectorcall(python_path, args, nargsf, kwnames);
+    int plain = plain_cpu_tensor(self, tensor);
+    if (plain <= 0) return plain < 0 ? NULL : PyObject_Vectorcall(python_path, args, nargsf, kwnames);
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
+    if (dtype == NULL) return NULL;
+    int d = dtype_index(self, dtype);
+    Py_DECREF(dtype);
+    long long nbytes = d < 0 ? 0 : long_attr(tensor, s_nbytes);
+    if (nbytes < 0) return NULL;
+    if (d < 0 || nbytes >= 2147483648LL) return PyObject_Vectorcall(python_path, args, nargsf, kwnames);
+    long long address = call_long(tensor, s_data_ptr);
+    if (address == -1 && PyErr_Occurred()) return NULL;
+    self->peer_taken[recv]++;
+    MPI_Request request;
+    MPI_Status status;
+    int count = (int)(nbytes / self->itemsize[d]), flag = 0, got = -1;
+    int rc = recv ? MPI_Irecv((void *)(intptr_t)address, count, self->types[d], (int)peer, (int)tag, self->comm, &request)
+                  : MPI_Isend((void *)(intptr_t)address, count, self->types[d], (int)peer, (int)tag, self->comm, &request);
+    if (rc == MPI_SUCCESS) rc = test_for(&request, WAIT_SECONDS, &flag, &status);
+    if (rc == MPI_SUCCESS && flag && recv) MPI_Get_count(&status, MPI_BYTE, &got);
+    if (rc == MPI_SUCCESS && flag && (!recv || got == nbytes)) {
+        Py_INCREF(tensor);
+        return tensor;
+    }
+    PyObject *request_obj = Py_None;
+    if (rc == MPI_SUCCESS && !flag) {
+        request_obj = as_request(request);
+        if (request_obj == NULL) return NULL;
+    } else
+        Py_INCREF(request_obj);
+    return PyObject_CallFunction(self->peer_finish, "sllONii", recv ? "recv" : "send", peer, tag, tensor, request_obj,
+                                 rc, got);
+}
+
+static PyObject *fast_send(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return fast_peer(self, 0, args, nargsf, kwnames);
+}
+
+static PyObject *fast_recv(Fast *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return fast_peer(self, 1, args, nargsf, kwnames);
+}
+
 static PyMethodDef fast_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))fast_allreduce, METH_FASTCALL | METH_KEYWORDS,
      "allreduce($self, tensor, op='sum', *, async_op=False)\n--\n\n"
@@ -1404,6 +1572,14 @@ static PyMethodDef fast_methods[] = {
      "Communicator.broadcast, its blocking fast path compiled (the same semantics: see there)."},
     {"add_op", (PyCFunction)(void (*)(void))fast_add_op, METH_FASTCALL, NULL},
     {"add_dtype", (PyCFunction)(void (*)(void))fast_add_dtype, METH_FASTCALL, NULL},
+    {"taken", (PyCFunction)fast_taken, METH_NOARGS, "taken()\n--\n\nThe calls this object took, per operation."},
+    {"add_peer_paths", (PyCFunction)(void (*)(void))fast_add_peer_paths, METH_FASTCALL, NULL},
+    {"send", (PyCFunction)(void (*)(void))fast_send, METH_FASTCALL | METH_KEYWORDS,
+     "send($self, tensor, dst, *, tag=0, async_op=False)\n--\n\n"
+     "MpiCommunicator.send, its blocking fast path compiled (the same semantics: see there)."},
+    {"recv", (PyCFunction)(void (*)(void))fast_recv, METH_FASTCALL | METH_KEYWORDS,
+     "recv($self, tensor, src, *, tag=0, async_op=False)\n--\n\n"
+     "MpiCommunicator.recv, its blocking fast path compiled (the same semantics: see there)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1420,21 +1596,17 @@ static PyTypeObject FastType = {
 };
 
 static int intern_names(void) {
-    const char *below[KINDS] = {"_fast_allreduce_below", "_fast_allgather_below", "_fast_reduce_scatter_below",
-                                "_fast_broadcast_below"};
     const char *kinds[KINDS] = {"allreduce", "allgather", "reduce_scatter", "broadcast"};
-    const char *pair_below[KINDS] = {"_pair_allreduce_below", "_pair_allgather_below", "_pair_reduce_scatter_below",
-                                     "_pair_broadcast_below"};
-    for (int i = 0; i < KINDS; i++) {
-        if ((s_below[i] = PyUnicode_InternFromString(below[i])) == NULL) return -1;
+    for (int i = 0; i < KINDS; i++)
         if ((s_kind_names[i] = PyUnicode_InternFromString(kinds[i])) == NULL) return -1;
-        if ((s_pair_below[i] = PyUnicode_InternFromString(pair_below[i])) == NULL) return -1;
-    }
-    return ((s_pair = PyUnicode_InternFromString("_pair")) && (s_root = PyUnicode_InternFromString("root")) && (s_plain = PyUnicode_InternFromString("_plain")) && (s_seq = PyUnicode_InternFromString("_seq")) &&
-            (s_every = PyUnicode_InternFromString("_every")) && (s_ring = PyUnicode_InternFromString("_ring")) &&
-            (s_dtype = PyUnicode_InternFromString("dtype")) && (s_is_cpu = PyUnicode_InternFromString("is_cpu")) &&
-            (s_nbytes = PyUnicode_InternFromString("nbytes")) && (s_shape = PyUnicode_InternFromString("shape")) &&
-            (s_data_ptr = PyUnicode_InternFromString("data_ptr")) &&
+    PyObject *one = PyLong_FromLong(1), *eighty = PyLong_FromLong(80);
+    shift80 = (one && eighty) ? PyNumber_Lshift(one, eighty) : NULL;
+    Py_XDECREF(one);
+    Py_XDECREF(eighty);
+    return (shift80 && (s_root = PyUnicode_InternFromString("root")) &&
+            (s_tag = PyUnicode_InternFromString("tag")) && (s_dtype = PyUnicode_InternFromString("dtype")) &&
+            (s_is_cpu = PyUnicode_InternFromString("is_cpu")) && (s_nbytes = PyUnicode_InternFromString("nbytes")) &&
+            (s_shape = PyUnicode_InternFromString("shape")) && (s_data_ptr = PyUnicode_InternFromString("data_ptr")) &&
             (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) &&
             (s_op = PyUnicode_InternFromString("op")) && (s_async_op = PyUnicode_InternFromString("async_op")) &&
             (s_out = PyUnicode_InternFromString("out")) && (s_sizes = PyUnicode_InternFromString("sizes")))
@@ -1452,6 +1624,7 @@ static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, NULL},
     {"compiled_handles", compiled_handles, METH_NOARGS, NULL},
     {"initialized", initialized, METH_NOARGS, NULL},
+    {"agreement_entry", (PyCFunction)(void (*)(void))agreement_entry, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1459,7 +1632,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "hpdl.comm._mpi_fast"
 
 PyMODINIT_FUNC PyInit__mpi_fast(void) {
     if (intern_names() < 0 || PyType_Ready(&FastType) < 0 || PyType_Ready(&PairType) < 0 ||
-        PyType_Ready(&PendingType) < 0)
+        PyType_Ready(&PendingType) < 0 || PyType_Ready(&StateType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -1472,6 +1645,12 @@ PyMODINIT_FUNC PyInit__mpi_fast(void) {
     Py_INCREF(&PairType);
     if (PyModule_AddObject(m, "Pair", (PyObject *)&PairType) < 0) {
         Py_DECREF(&PairType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&StateType);
+    if (PyModule_AddObject(m, "State", (PyObject *)&StateType) < 0) {
+        Py_DECREF(&StateType);
         Py_DECREF(m);
         return NULL;
     }

@@ -87,7 +87,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def entry(code: int, nbytes: int, extra: int = 0) -> int:
-    """One collective as one int, decoded by `describe` (built inline by the fast paths: keep in step)."""
+    """One collective as one int, decoded by `describe`: the one Python encoding (every path calls it; the compiled
+    fast paths' is `entry_of` in _mpi_fast.c, and tests/test_compiled.py checks that the two agree)."""
     return code | nbytes << 32 | (extra + 1) << 80
 
 
