@@ -15,7 +15,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # ignores it too, and importing it would fail the same way.
 PURELIB = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 
-.PHONY: install demo test lint typecheck unit bench-comm bench-train bench-ml bench-dask plan-validate gpu-check clean
+.PHONY: install demo test test-torch-next lint typecheck unit bench-comm bench-train bench-ml bench-dask plan-validate gpu-check clean
 
 install: $(STAMP)
 
@@ -57,6 +57,20 @@ unit: install
 test: lint
 	$(MAKE) --no-print-directory -j2 typecheck unit
 
+# The torch >= 2.14 branches (a Python Backend beside another one, the torch.distributed.backends entry point) on
+# torch 2.14.1 in a throw-away environment beside the pinned one; CI runs it after `make test` (~2 min here, the
+# first time ~1 min more for pip to bring torch's CUDA libraries into its cache). hpdl is installed there as a
+# wheel (not editable): the compiled modules in src/ stay the pinned environment's.
+NEXT_VENV ?= .venv-torch-next
+TORCH_NEXT_TESTS ?= tests/test_torch_backend.py tests/test_torch_backend_training.py
+
+test-torch-next: install
+	rm -rf $(NEXT_VENV)
+	$(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install -qq --no-compile -r requirements-torch-next.txt
+	$(NEXT_VENV)/bin/python -m pip install --quiet --no-compile --no-build-isolation --no-deps .
+	OMP_NUM_THREADS=1 $(NEXT_VENV)/bin/python -m pytest -p no:cacheprovider $(TORCH_NEXT_TESTS)
+
 bench-comm: install
 	$(BIN)/hpdl bench comm
 
@@ -83,4 +97,4 @@ gpu-check: install
 	$(BIN)/hpdl bench gpu
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache bench-results
+	rm -rf $(VENV) $(NEXT_VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache bench-results

@@ -1,30 +1,89 @@
-"""torch's autoload entry point for hpdl, kept outside the `hpdl` package so that `import torch` never breaks.
+"""torch's autoload entry point for hpdl: cannot fail, imports nothing of hpdl, changes nothing until "hpdl" is
+asked for.
 
 torch calls every "torch.backends" entry point at the end of `import torch` and turns any exception into its own
-`RuntimeError: Failed to load the backend extension`, failing the import for the whole environment. The entry
-point named a module inside `hpdl`, so a folder named `hpdl` first on the path (the working directory will do),
-a half-removed install or an hpdl that fails at import broke `import torch` itself. This module imports nothing
-but the standard library until it is called, and then imports hpdl inside a guard: whatever state hpdl is in,
-torch imports, and a program that asks for the "hpdl" backend is told why it is missing.
+`RuntimeError: Failed to load the backend extension`, failing the import for the whole environment; so this
+module sits outside the `hpdl` package (a folder named `hpdl` first on the path, a half-removed install or an hpdl
+that fails at import cannot reach it) and catches everything. It does not import hpdl either: `import torch` in
+a program that never asks for hpdl leaves os.environ, torch's rendezvous handlers and Open MPI's settings as
+they were (`import hpdl` would choose Open MPI defaults and teach env:// to meet over MPI).
+
+- torch >= 2.14 looks "hpdl" up in the "torch.distributed.backends" entry points itself when a group of that
+  backend is made (`Backend._ensure_backend_registered`): nothing to do here.
+- Older torch only knows the names registered before `init_process_group` runs: "hpdl" is registered with a
+  creator that imports hpdl on first use, and `Backend.HPDL` becomes a hook that imports hpdl (which registers
+  for real) when torch reads it, that is when `init_process_group("hpdl")` or `new_group(backend="hpdl")` starts,
+  before its rendezvous: under a plain `mpiexec` (no MASTER_ADDR) env:// then meets over MPI as before.
 """
 
 from __future__ import annotations
 
-__all__ = ["autoload"]
+from typing import Any
+
+__all__ = ["autoload", "create", "register"]
+
+NAME = "hpdl"
+_failed: list[str] = []
 
 
 def autoload() -> None:
-    """Register hpdl's torch.distributed backend if hpdl imports; else warn once and leave torch alone."""
+    """The "torch.backends" entry point (inside `import torch`): register "hpdl" by name, lazily; never raise."""
     try:
-        from hpdl.interop.registration import autoload as register
-    except Exception as error:  # noqa: BLE001 - torch's import must survive any state of hpdl
-        import warnings
+        import torch.distributed as dist
 
-        warnings.warn(
-            f"hpdl's torch.distributed backend is not registered: importing hpdl failed ({type(error).__name__}: "
-            f"{error}); init_process_group('hpdl') will not find it (is another `hpdl` first on sys.path?)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        if not dist.is_available():
+            return
+        backend = dist.Backend
+        if hasattr(backend, "_ensure_backend_registered") or NAME in backend.backend_list:
+            return  # torch >= 2.14 loads "torch.distributed.backends" when asked; or hpdl registered already
+        backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
+        type.__setattr__(backend, NAME.upper(), _OnRequest())
+    except Exception as error:  # noqa: BLE001 - torch's import must survive anything here
+        _warn(f"hpdl's torch.distributed backend is not registered ({type(error).__name__}: {error})")
+
+
+class _OnRequest:
+    """`Backend.HPDL` until hpdl is imported: torch reads it in `Backend("hpdl")`, the first thing a group of this
+    backend does; reading it imports hpdl, whose registration puts the plain string back."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> str:
+        register()
+        return NAME
+
+
+def register() -> Any:
+    """Import hpdl and register its backend for real (env:// over MPI included); the "torch.distributed.backends"
+    entry point (torch >= 2.14 calls it when "hpdl" is asked for). Returns hpdl's registration module. A failure
+    is a RuntimeError that says why, raised to whoever asked for "hpdl" (never to `import torch`)."""
+    try:
+        from hpdl.interop import registration
+
+        registration.register()
+        return registration
+    except Exception as error:
+        import torch.distributed as dist
+
+        if not isinstance(dist.Backend.__dict__.get(NAME.upper(), NAME), str):
+            type.__setattr__(dist.Backend, NAME.upper(), NAME)  # ask once: the group's creator says it again
+        raise RuntimeError(_why(error)) from error
+
+
+def create(backend_options: Any, pg_options: Any) -> Any:
+    """The creator torch calls for an "hpdl" group: hpdl's own, imported now."""
+    return register().create(backend_options, pg_options)
+
+
+def _why(error: BaseException) -> str:
+    asked, said = 'the "hpdl" torch.distributed backend was asked for, but', f"({type(error).__name__}: {error})"
+    if isinstance(error, ImportError):
+        return f"{asked} importing hpdl failed {said}; is another `hpdl` (a folder of that name) first on sys.path?"
+    return f"{asked} hpdl could not register it {said}"
+
+
+def _warn(message: str) -> None:
+    if message in _failed:
         return
-    register()
+    _failed.append(message)
+    import warnings
+
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

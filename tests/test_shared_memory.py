@@ -313,7 +313,7 @@ def first_large_call_skipped(comm):
 
 def test_a_rank_that_skips_the_engines_first_call_is_named_in_that_calls_terms(ranks):
     """Found in review: the timeout was reported as the engine's start-up barrier, not as the call that starts it."""
-    pool = ranks("mpi", 3, dict(FORCED, HPDL_POOL_FOR="a skipped start"))
+    pool = ranks("mpi", 3, dict(FORCED, HPDL_TEST_POOL_FOR="a skipped start"))
     results = pool.run(first_large_call_skipped, timeout=60)
     pool.kill()  # the others' start-up barrier is still pending: the next user gets a fresh pool
     assert results[-1] is None

@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+import hpdl.settings as settings
+
 __all__ = ["rsh_main", "run_argv"]
 
 RSH = "hpdl-cluster-rsh"
@@ -89,4 +91,4 @@ def run_argv(argv: list[str]) -> int:
 
 def rsh_main() -> int:
     """`hpdl-cluster-rsh [-x] HOST command...`: `hpdl cluster exec` under the name a launcher can call."""
-    return run_argv(["--name", os.environ.get("HPDL_CLUSTER", "hpdl"), "exec", *sys.argv[1:]])
+    return run_argv(["--name", settings.text("HPDL_CLUSTER") or "hpdl", "exec", *sys.argv[1:]])

@@ -9,12 +9,16 @@ import platform
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "collect"]
+__all__ = ["add_parser", "collect", "settings_table"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("info", help="versions, backends, GPU paths and the detected launcher")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--env", action="store_true", help="only the HPDL_* settings: name, value now, default, what it does"
+    )
+    parser.add_argument("--markdown", action="store_true", help="with --env: docs/settings.md (the table, no values)")
     parser.set_defaults(handler=run)
 
 
@@ -171,7 +175,34 @@ def _gpu_path(aware: Any) -> str:
     return "staged: device -> host copy, MPI on host memory, copy back"
 
 
+def settings_table(as_json: bool = False) -> str:
+    """`hpdl info --env`: every setting of the registry (docs/settings.md) with its value now, and the HPDL_*
+    variables set here that are none of them (with the nearest name)."""
+    from hpdl import settings
+
+    rows = settings.table()
+    unknown = settings.unknown()
+    if as_json:
+        found = [dict(zip(("name", "value", "default", "doc"), row)) for row in rows]
+        return json.dumps({"settings": found, "unknown": dict(unknown)}, indent=2)
+    width = max(len(name) for name, *_ in rows)
+    value_width = min(24, max(len("value now"), *(len(value) for _, value, *_ in rows)))
+    lines = [f"{'name':<{width}}  {'value now':<{value_width}}  default: what it does"]
+    lines += [f"{name:<{width}}  {value:<{value_width}}  {default}: {doc}" for name, value, default, doc in rows]
+    for name, near in unknown:
+        lines.append(f"{name}: not an hpdl setting, ignored" + (f" (did you mean {near}?)" if near else ""))
+    return "\n".join(lines)
+
+
 def run(options: argparse.Namespace) -> int:
+    if options.env and options.markdown:
+        from hpdl import settings
+
+        sys.stdout.write(settings.markdown())
+        return 0
+    if options.env:
+        print(settings_table(options.json))
+        return 0
     info = collect()
     if options.json:
         print(json.dumps(info, indent=2, default=str))

@@ -16,9 +16,9 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
-from hpdl.comm.env import env_number
+import hpdl.settings as settings
 from hpdl.runtime import hosts, spawn
 from hpdl.runtime.environment import RESTART_COUNT
 
@@ -160,26 +160,12 @@ def parse(argv: list[str]) -> Command:
     return Command(options, program, python_options)
 
 
-STARTUP_NUMBERS: tuple[tuple[str, Callable[[str], float], str, bool], ...] = (
-    ("HPDL_TIMEOUT", float, "a number of seconds", False),
-    ("HPDL_CHECK_EVERY", int, "a number of collectives (0: off)", True),
-    ("HPDL_FUSION_MB", float, "a number of megabytes", False),
-    ("HPDL_SHM_MB", float, "a number of megabytes", False),
-    ("HPDL_SHM_PIECE_MB", float, "a number of megabytes", False),
-    ("HPDL_PAIR_BYTES", int, "bytes (0: never)", True),
-    ("HPDL_RANKS_PER_NODE", int, "a positive int", False),
-)
-"""The numeric settings every rank reads as it starts, as their readers parse them (hpdl.comm.env.env_number)."""
-
-
 def bad_setting() -> Optional[str]:
-    """The first bad value among STARTUP_NUMBERS, said once here instead of as a traceback on every rank."""
-    for name, kind, what, allow_zero in STARTUP_NUMBERS:
-        try:
-            env_number(name, 0.0, kind, what, allow_zero=allow_zero)
-        except ValueError as error:
-            return str(error)
-    return None
+    """The first bad value among the set HPDL_* settings (the registry checks each as its reader would), said once
+    here instead of as a traceback on every rank; unknown HPDL_* names get their warning here too."""
+    settings.warn_unknown(say=lambda message: print(f"hpdl launch: warning: {message}", file=sys.stderr))
+    found = settings.problems()
+    return found[0] if found else None
 
 
 def run_argv(argv: list[str]) -> int:

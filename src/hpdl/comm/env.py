@@ -1,9 +1,14 @@
-"""Reading hpdl's settings from environment variables, with errors that name the variable."""
+"""Reading hpdl's settings from environment variables, with errors that name the variable.
+
+The readers of the settings registry (`hpdl.settings`), under the names the communicators have always used:
+every name must be registered there (type, default, doc), so `hpdl info --env` and docs/settings.md list it.
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Callable, TypeVar
+
+import hpdl.settings as settings
 
 __all__ = ["env_flag", "env_number"]
 
@@ -12,21 +17,9 @@ N = TypeVar("N", int, float)
 
 def env_flag(name: str, default: bool = False) -> bool:
     """A yes/no environment variable: 0, false, no, off (any case) or empty mean no."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return settings.flag(name, default)
 
 
 def env_number(name: str, default: N, kind: Callable[[str], N], what: str, *, allow_zero: bool = False) -> N:
     """The positive (or, with `allow_zero`, non-negative) number in `name`; `default` when unset or empty."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} must be {what}") from None
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={text!r} must be {'non-negative' if allow_zero else 'positive'}")
-    return value
+    return settings.number(name, default, kind, what, allow_zero=allow_zero)

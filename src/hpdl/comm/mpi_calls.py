@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from mpi4py import MPI
 
+import hpdl.settings as settings
 from hpdl.comm.env import env_flag
 
 __all__ = ["Calls", "compiled_calls", "counted_reduce_scatter", "finish_briefly", "memory_at", "select"]
@@ -55,7 +56,7 @@ def counted_reduce_scatter(library: str) -> tuple[int, int]:
     reduces (16-bit floats travel as float32: twice the input).
     """
     name = "HPDL_COUNTED_REDUCE_SCATTER"
-    text = os.environ.get(name, "").strip()
+    text = settings.text(name) or ""
     if not text:
         return MPICH_COUNTED_REDUCE_SCATTER if library.startswith("MPICH") else (0, 0)
     if text == "0":

@@ -135,7 +135,8 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def enabled() -> bool:
-    return os.environ.get("HPDL_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+    """HPDL_SHM, read as every yes/no setting is (unset: on; empty, 0, false, no, off: off)."""
+    return env_flag("HPDL_SHM", True)
 
 
 def segment_bytes() -> int:

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+import hpdl.settings as settings
 from hpdl.comm import shm
 from hpdl.comm.work import wait_for
 from hpdl.errors import TuneFileError
@@ -56,7 +57,7 @@ def default_path() -> str:
 
 def path() -> Optional[str]:
     """The tuning file hpdl reads (HPDL_TUNE_FILE, else the default), or None when switched off."""
-    chosen = os.environ.get(ENV, "").strip()
+    chosen = settings.text(ENV) or ""
     if chosen.lower() in ("0", "off", "no", "false", "none"):
         return None
     return chosen or default_path()

@@ -13,11 +13,14 @@ imported:
   broadcasts its address over MPI. torchrun-style variables, when present,
   are used exactly as before.
 
-Programs that never import hpdl get the same through the package's entry
-points: torch's device-backend autoload (group "torch.backends", torch >=
-2.5) calls `autoload` at the end of `import torch`, and torch >= 2.14 also
-looks "hpdl" up in "torch.distributed.backends" when it is first asked for.
-`TORCH_DEVICE_BACKEND_AUTOLOAD=0` turns the first off.
+Programs that never import hpdl get the same when they ask for "hpdl", through
+the package's entry points, which name `hpdl_torch_autoload` (outside this
+package: it cannot fail, and imports hpdl only when "hpdl" is asked for, so
+`import torch` alone changes nothing). torch >= 2.14 calls its `register` from
+the "torch.distributed.backends" group when a group of that backend is made;
+before 2.14 its `autoload` ("torch.backends", inside `import torch`) registers
+the name with an on-request hook that brings the program here. `register`
+below replaces that hook with the plain name.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Iterator
 
 from hpdl.interop.import_hooks import when_imported
 
-__all__ = ["BACKEND_NAME", "register", "register_when_torch_loads", "autoload"]
+__all__ = ["BACKEND_NAME", "register", "register_when_torch_loads", "autoload", "create"]
 
 BACKEND_NAME = "hpdl"
 _registered = False
@@ -47,7 +50,9 @@ def register() -> None:
     # `torch.distributed.rendezvous` the attribute is a function; the module holds the handlers.
     rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
 
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    if not isinstance(dist.Backend.__dict__.get(BACKEND_NAME.upper(), BACKEND_NAME), str):
+        type.__setattr__(dist.Backend, BACKEND_NAME.upper(), BACKEND_NAME)  # hpdl_torch_autoload's on-request hook
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
     original = rendezvous_module._rendezvous_handlers.get("env")
     if original is not None and not getattr(original, "_hpdl", False):
         rendezvous_module._rendezvous_handlers["env"] = _env_or_mpi(original)
@@ -55,12 +60,11 @@ def register() -> None:
 
 
 def autoload() -> None:
-    """torch's "torch.backends" entry point, called inside `import torch`: register, and never break that import.
+    """`import hpdl`'s registration once torch is loaded (possibly while torch is still importing): register, and
+    never break the import that triggered it.
 
-    An error here would make torch's own import fail, so it becomes a warning
-    that says what happened; `init_process_group("hpdl")` then raises that
-    the backend is unknown, as it would without hpdl. (`import hpdl`, which
-    loading this entry point does first, registers through the same guard.)
+    An error here becomes a warning that says what happened; `init_process_group("hpdl")` then raises that the
+    backend is unknown, or hpdl_torch_autoload says why when it is asked for.
     """
     try:
         register()
@@ -80,7 +84,8 @@ def register_when_torch_loads() -> None:
     when_imported("torch", autoload)  # guarded: torch may be mid-import here (its entry point loads hpdl)
 
 
-def _create(backend_options: Any, pg_options: Any) -> Any:
+def create(backend_options: Any, pg_options: Any) -> Any:
+    """torch's creator of an "hpdl" group (`init_process_group`, `new_group`)."""
     from hpdl.interop.torch_backend.factory import create_process_group
 
     return create_process_group(backend_options, pg_options)

@@ -27,6 +27,7 @@ import socket
 import struct
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import hpdl.settings as settings
 from hpdl.errors import BackendUnavailableError
 
 __all__ = [
@@ -181,7 +182,7 @@ def agree_address(
                 return str(told[1])
             if all(allgather(_reaches(told[1], told[2]))):
                 return str(told[1])
-    bind = os.environ.get("HPDL_BIND_ADDR")
+    bind = settings.text("HPDL_BIND_ADDR")
     if bind and (bind.startswith("0.") or bind == "::"):
         why = f"HPDL_BIND_ADDR={bind} is every interface, not an address the other ranks can connect to"
         broadcast(("none", why))

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+import hpdl.settings as settings
+
 __all__ = [
     "RESTART_COUNT",
     "STORE_FD",
@@ -83,7 +85,7 @@ def detect(env: Optional[Mapping[str, str]] = None) -> Launch:
     """Read the launcher from `env` (default: os.environ)."""
     env = os.environ if env is None else env
     mpi = _mpi_launch(env)
-    forced = env.get("HPDL_BACKEND", "")
+    forced = settings.text("HPDL_BACKEND", env) or ""  # checked: one of BACKENDS
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"HPDL_BACKEND={forced!r}: choose one of {', '.join(BACKENDS)}")

@@ -15,6 +15,7 @@ import os
 import socket
 from typing import Any, Callable
 
+import hpdl.settings as settings
 from hpdl.errors import BackendUnavailableError
 from hpdl.runtime.addresses import agree_address, interface_of
 from hpdl.runtime.environment import STORE_FD, torch_release
@@ -36,7 +37,7 @@ def listen_for_store(host: str, size: int) -> int:
 def _store_socket(host: str, port: int, size: int) -> socket.socket:
     """A socket listening on the address `host` names (HPDL_BIND_ADDR when set) at `port` (0: the system picks),
     with room for every rank's connection at once."""
-    bind = os.environ.get("HPDL_BIND_ADDR") or socket.gethostbyname(host)
+    bind = settings.text("HPDL_BIND_ADDR") or socket.gethostbyname(host)
     try:
         return socket.create_server((bind, port), family=socket.AF_INET, backlog=max(128, size))
     except OSError as error:

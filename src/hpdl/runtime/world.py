@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any, Optional
 
+import hpdl.settings as settings
 from hpdl.comm.base import Communicator, default_debug, default_timeout
 from hpdl.errors import BackendUnavailableError, CommError, CommTimeoutError, NotInitializedError
 from hpdl.runtime.environment import BACKENDS, Launch, detect, is_loopback, loopback_interface
@@ -40,6 +41,7 @@ def init(backend: str = "auto", *, timeout: Optional[float] = None, debug: Optio
     call (default HPDL_DEBUG).
     """
     global _current, _atexit_registered
+    settings.warn_unknown()  # a misspelt HPDL_* name: said once, here (never at import)
     launch = detect()
     chosen = launch.backend if backend == "auto" else backend
     if chosen not in BACKENDS:
@@ -136,7 +138,7 @@ def _torch_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
     if dist.is_initialized():  # by the script itself: progress reports go through its group's own store
         store = dist.distributed_c10d._get_default_store()
     else:
-        engine = os.environ.get("HPDL_TORCH_ENGINE") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        engine = settings.text("HPDL_TORCH_ENGINE") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         rank, size, store = _torch_rendezvous(launch, span)
         if is_loopback(store.host):  # every rank is on this machine: gloo's own listeners on loopback too
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())

@@ -95,8 +95,9 @@ def create_process_group(backend_options: Any, pg_options: Any) -> Any:
     import hpdl
     from hpdl.comm.mpi_backend import MPI, MpiCommunicator
     from hpdl.interop.torch_backend.process_group import HpdlProcessGroup, _guard_from_compile, backend_class
-    from hpdl.interop.torch_backend.progress import progress
+    from hpdl.interop.torch_backend.progress import progress, timings
 
+    timings()  # a bad HPDL_TORCH_*_US is an error here, naming it
     world = hpdl.init("mpi")
     ranks = [int(r) for r in backend_options.global_ranks_in_group]
     try:

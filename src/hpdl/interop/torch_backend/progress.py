@@ -20,15 +20,17 @@ ranks that did not arrive.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, TypeVar
 
 from hpdl.comm.base import DECLINED
 from hpdl.comm.work import WATCH_SECONDS, poll_until
 from hpdl.errors import CommTimeoutError
+from hpdl.settings import number
 
 if TYPE_CHECKING:
     from hpdl.comm.base import Communicator
@@ -48,16 +50,11 @@ class HpdlWork(Protocol):
 Handle = TypeVar("Handle", bound=HpdlWork)
 
 
-__all__ = ["Progress", "progress", "Started"]
+__all__ = ["Progress", "progress", "Started", "Timings", "timings"]
 
 Started = tuple[list, Optional[Callable[[], Any]]]
 """What starting an operation gives: hpdl handles in flight, and the step that turns them into the result."""
 
-SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_SPIN_US", "100")) * 1e-6
-"""The progress thread tests without pausing for this long after an operation starts (latency); longer
-spins take the core from the backward pass that DDP overlaps with communication (one core per rank)..."""
-POLL_SECONDS = float(os.environ.get("HPDL_TORCH_POLL_US", "50")) * 1e-6
-"""...and then pauses this long between tests, so that it leaves the core to the computation it overlaps."""
 TICK_SECONDS = 1e-3
 """An idle progress thread looks for new operations this often..."""
 DEEP_SLEEP_AFTER = 0.5
@@ -70,9 +67,31 @@ ALONE_SECONDS = 10e-3
 """How long `wait()` tests the one operation in flight in a tight loop before it falls back to the general loop."""
 QUICK_BYTES = 64 * 1024
 """A collective up to this size, started with nothing else in flight, is tested in a tight loop at once..."""
-QUICK_SPIN_SECONDS = float(os.environ.get("HPDL_TORCH_QUICK_US", "50")) * 1e-6
-"""...for this long (the peers' skew, not a transfer): a blocking `dist.all_reduce` of a loss then returns
+"""...for `Timings.quick` (the peers' skew, not a transfer): a blocking `dist.all_reduce` of a loss then returns
 complete without a pass through the general loop, and one issued with async_op=True loses at most this much."""
+
+
+class Timings(NamedTuple):
+    """The progress thread's tunables, in seconds (read once, at the first group: `timings()`)."""
+
+    spin: float
+    """It tests without pausing for this long after an operation starts (latency); longer spins take the core
+    from the backward pass that DDP overlaps with communication (one core per rank)..."""
+    poll: float
+    """...and then pauses this long between tests, so that it leaves the core to the computation it overlaps."""
+    quick: float
+    """How long a lone collective up to QUICK_BYTES is tested in a tight loop at once."""
+
+
+@functools.cache
+def timings() -> Timings:
+    """HPDL_TORCH_SPIN_US, _POLL_US and _QUICK_US through the settings registry, on first use (the factory asks
+    when it makes a group, so a bad value is an error of `init_process_group` that names the variable, never
+    one of `import`)."""
+    spin, poll, quick = (number(name) for name in ("HPDL_TORCH_SPIN_US", "HPDL_TORCH_POLL_US", "HPDL_TORCH_QUICK_US"))
+    return Timings(spin * 1e-6, poll * 1e-6, quick * 1e-6)
+
+
 _yield = getattr(os, "sched_yield", lambda: None)
 
 
@@ -214,7 +233,7 @@ class Progress:
                 handle._group = id(comm)
                 handle._timeout = comm.timeout
                 try:
-                    seconds = ALONE_SECONDS if blocking else QUICK_SPIN_SECONDS if nbytes <= QUICK_BYTES else 0.0
+                    seconds = ALONE_SECONDS if blocking else timings().quick if nbytes <= QUICK_BYTES else 0.0
                     done = (
                         work is None
                         or work.is_completed()
@@ -308,7 +327,7 @@ class Progress:
                             f"a torch future's callback (a DDP comm hook?) has run for over {handle._timeout:g} s "
                             "on another thread; whoever waits for the operation waits for its callbacks"
                         )
-                    time.sleep(POLL_SECONDS)
+                    time.sleep(timings().poll)
         finally:
             with self._cond:
                 self._waiters -= 1
@@ -426,10 +445,10 @@ class Progress:
                 time.sleep(GRACE_SECONDS)
                 continue
             self._deliver(self._poll())
-            if now - oldest <= SPIN_SECONDS:
+            if now - oldest <= timings().spin:
                 time.sleep(0)
             elif others.busy():
-                time.sleep(POLL_SECONDS)
+                time.sleep(timings().poll)
             else:
                 _yield()
 
