@@ -5,9 +5,10 @@
     hpdl launch -n 4 examples/lab_hybrid.py --plan my_plan.toml --steps 300
     python examples/lab_hybrid.py --plan-json '{"dp": 1}'            # one process, same code
 
-It trains for --steps steps, prints the loss as it falls, saves a sharded
-checkpoint (--save DIR), and can resume from one written on any other mesh
-(--resume DIR).
+It trains for --steps steps with `hpdl.train.Trainer` (the same loop for
+every plan: a pipeline's micro-batches, tp, ZeRO over dp), prints the loss
+as it falls, saves a sharded checkpoint (--save DIR), and can resume from
+one written on any other mesh (--resume DIR).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import functools
 import json
 import os
 import sys
-import time
 from typing import Optional
 
 import torch
@@ -26,8 +26,8 @@ import hpdl
 from hpdl.models.gpt import GPT, CharCodec, GPTConfig, stdlib_text
 from hpdl.parallel import Mesh, Plan, build
 from hpdl.parallel.mesh.plan_config import PlanError
-from hpdl.parallel.mesh.state import load, save
 from hpdl.parallel.tensor import vocab_parallel_cross_entropy
+from hpdl.train import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,37 +75,28 @@ def train(comm, args: argparse.Namespace) -> list[float]:
     mesh = Mesh.from_plan(comm, plan)
     say(mesh.describe())
     model, optimizer = build(model, mesh, plan, optimizer=torch.optim.AdamW, lr=args.lr)
-    first = 0
+    # The loss never gathers the vocabulary: each tp rank holds its slice of the logits.
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=mesh.tp)
+    trainer = Trainer(model, optimizer, loss_fn, mesh=mesh)
     if args.resume:
-        first = int(load(args.resume, model, optimizer).get("step", 0))
-        say(f"== resumed from {args.resume} at step {first} (written on another mesh is fine)")
+        trainer.restore(args.resume)
+        say(f"== resumed from {args.resume} at step {trainer.global_step} (written on another mesh is fine)")
+    first = trainer.global_step
 
-    # 3. Train: each dp replica takes its slice of the global batch; the loss never gathers the vocabulary.
+    # 3. Train: each dp replica reads its slice of every global batch (the same on its tp and pp ranks).
     text = stdlib_text(args.chars)
     ids = codec.encode(text)
     say(f"== data: {len(text):,} characters of Python standard-library source, vocabulary {codec.vocab_size}")
     x, y = batches(ids, first + args.steps, args.batch, args.block)
     per = args.batch // mesh.shape["dp"]
     lo = mesh.dp.rank * per
-    loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=mesh.tp)
-    losses: list[float] = []
-    started = time.perf_counter()
-    for step in range(first, first + args.steps):
-        optimizer.zero_grad()
-        xs, ys = x[step, lo : lo + per], y[step, lo : lo + per]
-        if hasattr(model, "step"):  # a pipeline runs every micro-batch forward and backward
-            loss = model.step(xs, ys, loss_fn).detach().clone()
-        else:
-            loss = loss_fn(model(xs), ys)
-            loss.backward()
-            loss = loss.detach().clone()
-        optimizer.step()
-        mesh.dp.allreduce(loss, "avg")
-        losses.append(float(loss))
-        if step % max(1, args.steps // 10) == 0 or step == first + args.steps - 1:
-            say(f"step {step:4d}  loss {losses[-1]:.3f}  ({time.perf_counter() - started:.1f} s)")
+    replica = [(x[step, lo : lo + per], y[step, lo : lo + per]) for step in range(first, first + args.steps)]
+    history = trainer.fit(replica, trainer.epoch + 1)  # one epoch of --steps steps (after a resume: one more)
+    losses = history.losses[-args.steps :]
+    for i in range(0, args.steps, max(1, args.steps // 10)):
+        say(f"step {first + i:4d}  loss {losses[i]:.3f}")
     if args.save:
-        save(args.save, model, optimizer, mesh, step=first + args.steps)
+        trainer.save(args.save)
         say(f"== saved a sharded checkpoint to {args.save}")
     mesh.close()
     return losses

@@ -14,6 +14,8 @@ __all__ = ["checked_targets"]
 
 _AT_LEAST = re.compile(r"(\d+(?:\.\d+)?)x\b.*\((?:target >= |never below )(\d+(?:\.\d+)?)x?[),]")
 _AT_MOST = re.compile(r"(\d+\.\d+) vs formula [\d.]+ \(target <= (\d+\.\d+)")
+_RATIO_AT_MOST = re.compile(r"(\d+(?:\.\d+)?)x\b[^(]*\(target <= (\d+(?:\.\d+)?)x\)")
+"""`... 0.50x fsdp2-gloo's (target <= 1.0x)`: a ratio that must stay below its target (memory, bubble)."""
 _ROUNDING = 0.006
 """Values are printed with 2 or 3 decimals and judged unrounded: a value this close to its target is not judged."""
 
@@ -29,7 +31,7 @@ def checked_targets(markdown: str) -> list[str]:
         if verdict == "n/a":
             assert ": no " in line, line  # says what was missing
             continue
-        at_least, at_most = _AT_LEAST.search(line), _AT_MOST.search(line)
+        at_least, at_most = _AT_LEAST.search(line), _AT_MOST.search(line) or _RATIO_AT_MOST.search(line)
         assert at_least or at_most, f"a target line names no measured value and target: {line}"
         value, target = (float(g) for g in (at_least or at_most).groups())  # type: ignore[union-attr]
         if abs(value - target) < _ROUNDING:

@@ -188,3 +188,26 @@ def test_progress_plain_lines_when_not_a_terminal():
     quiet.update(8, 0.1)
     quiet.close()
     assert silent.getvalue() == ""
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_redraws_one_line_per_epoch():
+    out = Terminal()
+    bar = Progress(4, desc="epoch 2/3", stream=out)
+    bar.steps = 1  # a resumed epoch: one step was done before the restart
+    for _ in range(3):
+        bar.update(8, 0.25)
+    bar.close("eval accuracy 0.9")
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("eval accuracy 0.9\n") and text.startswith("\r"), repr(text)
+    final = text.rsplit("\r", 1)[1]
+    assert final.startswith("epoch 2/3  [" + "#" * 24 + "]  4/4  loss 0.2500") and "samples/s  in " in final
+    silent = Terminal()
+    quiet = Progress(4, enabled=False, stream=silent)  # every rank but 0
+    quiet.update(8, 0.1)
+    quiet.close()
+    assert silent.getvalue() == ""

@@ -9,6 +9,7 @@ hpdl.finalize()
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hpdl._version import __version__
 from hpdl.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from hpdl.comm.work import Work
     from hpdl.runtime.world import finalize, init, is_initialized, world
 
-__version__ = "0.1.0"
 
 __all__ = [
     "init",

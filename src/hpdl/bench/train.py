@@ -25,16 +25,16 @@ module's `launch`), which starts `mpiexec -n N python -m hpdl.bench.train --work
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive
+from hpdl.bench import strategy_harness as harness
+from hpdl.bench.arguments import positive
+from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main"]
 
@@ -47,76 +47,6 @@ FLOOR_VS_DDP = 1.0
 LR = 0.01
 
 
-@dataclass(frozen=True)
-class Options:
-    """What one run measures; every field is printed in the header and stored in each JSON record."""
-
-    strategy: str = "dp"
-    ranks: int = 2
-    quick: bool = False
-    out: str = "bench-results/train"
-    models: tuple[str, ...] = ("mlp", "cnn")
-    rounds: int = 7
-    """Timed rounds; each round times every contender once."""
-    steps: int = 10
-    """Training steps per timed sample."""
-    warmup: int = 5
-    """Untimed steps per contender before the first round."""
-    bucket_mb: float = 25.0
-    timeout: float = 1200.0
-    worker: bool = False
-
-    def forwarded(self) -> list[str]:
-        args = ["--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
-        args += ["--steps", str(self.steps), "--bucket-mb", str(self.bucket_mb), "--models", *self.models]
-        return args + (["--quick"] if self.quick else [])
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hpdl bench train",
-        description="Samples/s of whole training steps: hpdl DataParallel (MPI, gloo) beside PyTorch DDP (gloo), "
-        "independent processes (ceiling) and one process (scaling reference), alternating in one launch.",
-    )
-    parser.add_argument(
-        "--strategy",
-        default="dp",
-        choices=["dp", *STRATEGY_MODULES],
-        help="parallel strategy (dp: data parallel; zero, pipeline, hybrid, gems, branch: see their own --help)",
-    )
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="MPI processes (default 2)")
-    parser.add_argument("--quick", action="store_true", help="few rounds and steps (a smoke test, seconds)")
-    parser.add_argument("--out", default="bench-results/train", help="output folder (default bench-results/train)")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="models (default: mlp cnn)")
-    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
-    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 10)")
-    parser.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="hpdl bucket size (default 25)")
-    parser.add_argument("--timeout", type=_positive(float), default=1200.0, help="stop the job after this many s")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return parser
-
-
-def parse(argv: Sequence[str]) -> Options:
-    parser = build_parser()
-    ns = parser.parse_args(list(argv))
-    if ns.ranks < 2:
-        parser.error(f"-n {ns.ranks}: data parallelism needs at least 2 ranks")
-    quick = bool(ns.quick)
-    return Options(
-        strategy=ns.strategy,
-        ranks=ns.ranks,
-        quick=quick,
-        out=ns.out,
-        models=tuple(ns.models or ("mlp", "cnn")),
-        rounds=ns.rounds or (2 if quick else 7),
-        steps=ns.steps or (2 if quick else 10),
-        warmup=1 if quick else 5,
-        bucket_mb=ns.bucket_mb,
-        timeout=ns.timeout,
-        worker=bool(ns.worker),
-    )
-
-
 STRATEGY_MODULES = {
     "zero": "hpdl.bench.train_zero",
     "pipeline": "hpdl.bench.train_pipeline",
@@ -126,6 +56,34 @@ STRATEGY_MODULES = {
     "branch": "hpdl.bench.train_branch",
 }
 """`--strategy` values other than dp, each measured by its own module (with its own `launch(argv)`)."""
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="models (default: mlp cnn)")
+    parser.add_argument("--bucket-mb", type=positive(float), default=25.0, help="hpdl bucket size (default 25)")
+
+
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    if ns.ranks < 2:
+        parser.error(f"-n {ns.ranks}: data parallelism needs at least 2 ranks")
+    return {"models": tuple(ns.models or ("mlp", "cnn")), "bucket_mb": ns.bucket_mb}
+
+
+BENCH = harness.Bench(
+    strategy="dp",
+    module="hpdl.bench.train",
+    description="Samples/s of whole training steps: hpdl DataParallel (MPI, gloo) beside PyTorch DDP (gloo), "
+    "independent processes (ceiling) and one process (scaling reference), alternating in one launch.",
+    out="bench-results/train",
+    rounds=(7, 2),
+    steps=(10, 2),
+    warmup=(5, 1),
+    timeout=1200.0,
+    quick_help="few rounds and steps (a smoke test, seconds)",
+    strategies=("dp", *STRATEGY_MODULES),
+    options=_options,
+    check=_check,
+)
 
 
 def _strategy(argv: list[str]) -> str:
@@ -144,7 +102,7 @@ def launch(argv: list[str]) -> int:
         import importlib
 
         return int(importlib.import_module(STRATEGY_MODULES[strategy]).launch(argv))
-    return report.launch_benchmark("hpdl bench train", "hpdl.bench.train", parse, argv)
+    return harness.launch(BENCH, argv)
 
 
 # --------------------------------------------------------------------------- models and contenders
@@ -259,19 +217,12 @@ def measure_model(name: str, options: Options, mpi: Any, gloo: Any) -> list[dict
         if c.active:
             run_steps(c, batches, options.warmup)
         c.sync()
-    times = np.zeros((len(contenders), options.rounds))
-    for r in range(options.rounds):
-        for i, c in enumerate(contenders):
-            c.sync()
-            start = time.perf_counter()
-            if c.active:
-                run_steps(c, batches, options.steps)
-            times[i, r] = time.perf_counter() - start
-            c.sync()
-    mpi_world = mpi.mpi_comm
-    from mpi4py import MPI
 
-    mpi_world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a sample lasts until its slowest rank finishes
+    def run(i: int) -> None:
+        if contenders[i].active:
+            run_steps(contenders[i], batches, options.steps)
+
+    times = harness.alternate(len(contenders), options.rounds, run, lambda i: contenders[i].sync(), mpi)
     reference = [p.detach() for p in contenders[CONTENDERS.index("ddp-gloo")].model.module.parameters()]
     losses = np.array([c.last_loss for c in contenders])
     records = []
@@ -333,10 +284,7 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
                 ]
             )
         ratio = mine["hpdl-mpi"]["vs_ddp"]
-        verdicts.append(
-            f"{report.verdict(ratio >= TARGET_VS_DDP)} {model}: hpdl-mpi {ratio:.2f}x DDP's samples/s "
-            f"(target >= {TARGET_VS_DDP}x)"
-        )
+        verdicts.append(harness.faster(f"{model}: hpdl-mpi", ratio, "DDP's samples/s", TARGET_VS_DDP))
         if "hpdl.horovod" in mine:
             from hpdl.bench.train_horovod import verdicts as horovod_verdicts
 
@@ -362,9 +310,16 @@ HEADERS = [
 ]
 
 
-def write_report(options: Options, records: list[dict[str, Any]], config: dict[str, Any], elapsed: float) -> None:
+def write_report(ranks: Ranks, options: Options, records: list[dict[str, Any]], elapsed: float) -> None:
     rows, verdicts = analyse(records)
     table = report.markdown_table(HEADERS, rows, right_align_from=2)
+    config = harness.config(
+        options,
+        ranks,
+        bucket_mb=options.bucket_mb,
+        optimizer="SGD(lr=0.01, momentum=0.9)",
+        ddp="DistributedDataParallel defaults (bucket_cap_mb=25)",
+    )
     header = (
         f"hpdl bench train --strategy {options.strategy}: {options.ranks} ranks, OMP_NUM_THREADS=1, "
         f"MPI {config['mpi_engine']}, torch {config['torch_version']}, bucket {options.bucket_mb} MB, "
@@ -378,43 +333,31 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
         "loss = the last step's loss on rank 0; DDP-equivalent contenders train the same trajectory.",
         "Horovod: not importable here, so no column.",
     ]
-    text = report.markdown_document("hpdl bench train", header, [table], notes, verdicts)
-    report.write_report(options.out, "train", text, records, config, elapsed)
+    harness.write(options, "train", ("hpdl bench train", header, [table], notes, verdicts), records, config, elapsed)
+
+
+def parse(argv: list[str]) -> Options:
+    return harness.parse(BENCH, argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`launch` by default; with --worker, `worker` (every rank)."""
-    return report.run_main(argv, parse, launch, worker)
+    return harness.main(BENCH, launch, worker, argv)
 
 
 def worker(options: Options) -> int:
     """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
-    import hpdl
 
-    started = time.perf_counter()
-    mpi, gloo = report.worker_communicators(300.0)
-    if mpi.rank == 0:
-        print(f"hpdl bench train: {mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
-    records = []
-    for name in options.models:
-        records += measure_model(name, options, mpi, gloo)
-    if mpi.rank == 0:
-        config = report.environment(
-            benchmark="train",
-            strategy=options.strategy,
-            quick=options.quick,
-            world_ranks=mpi.size,
-            rounds=options.rounds,
-            bucket_mb=options.bucket_mb,
-            mpi_engine=mpi.engine,
-            gloo_engine=gloo.engine,
-            optimizer="SGD(lr=0.01, momentum=0.9)",
-            ddp="DistributedDataParallel defaults (bucket_cap_mb=25)",
-        )
-        write_report(options, records, config, time.perf_counter() - started)
-    mpi.barrier()
-    hpdl.finalize()
-    return 0
+    def measure(ranks: Ranks) -> list[dict[str, Any]]:
+        return [r for name in options.models for r in measure_model(name, options, ranks.mpi, ranks.gloo)]
+
+    return harness.worker(
+        measure,
+        lambda ranks, records, elapsed: write_report(ranks, options, records, elapsed),
+        announce=lambda r: (
+            f"hpdl bench train: {r.size} ranks, MPI {r.mpi.engine}, torch {r.gloo.engine}; measuring ..."
+        ),
+    )
 
 
 if __name__ == "__main__":

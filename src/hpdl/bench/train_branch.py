@@ -21,16 +21,13 @@ Run it with `hpdl bench train --strategy branch [-n 2] [--quick] [--batches 1 4 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
-
-import numpy as np
+from typing import Any, Optional
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive
+from hpdl.bench import strategy_harness as harness
+from hpdl.bench.arguments import positive
+from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main", "CONTENDERS", "inception_branches"]
 
@@ -38,50 +35,37 @@ CONTENDERS = ("single", "branch", "dp")
 LR = 0.01
 
 
-@dataclass(frozen=True)
-class Options:
-    ranks: int = 2
-    quick: bool = False
-    out: str = "bench-results/branch"
-    batches: tuple[int, ...] = (1, 4, 32)
-    rounds: int = 7
-    steps: int = 5
-    warmup: int = 2
-    timeout: float = 1800.0
-    worker: bool = False
-
-    def forwarded(self) -> list[str]:
-        args = ["--strategy", "branch", "--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
-        args += ["--steps", str(self.steps), "--batches", *map(str, self.batches)]
-        return args + (["--quick"] if self.quick else [])
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", nargs="+", type=positive(int), help="batch sizes (default 1 4 32)")
 
 
-def parse(argv: Sequence[str]) -> Options:
-    parser = argparse.ArgumentParser(
-        prog="hpdl bench train --strategy branch",
-        description="Samples/s of branch parallelism beside one process and DataParallel for a 4-branch CNN.",
-    )
-    parser.add_argument("--strategy", default="branch", choices=["branch"], help=argparse.SUPPRESS)
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks (default 2; at most 4)")
-    parser.add_argument("--quick", action="store_true", help="a smaller model, few rounds (a smoke test)")
-    parser.add_argument("--out", default="bench-results/branch", help="output folder (default bench-results/branch)")
-    parser.add_argument("--batches", nargs="+", type=_positive(int), help="batch sizes (default 1 4 32)")
-    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
-    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
-    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ns = parser.parse_args(list(argv))
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if not 2 <= ns.ranks <= 4:
         parser.error(f"-n {ns.ranks}: the block has 4 branches; use 2 to 4 ranks")
-    return Options(
-        ranks=ns.ranks, quick=bool(ns.quick), out=ns.out, batches=tuple(ns.batches or (1, 4, 32)),
-        rounds=ns.rounds or (2 if ns.quick else 7), steps=ns.steps or (2 if ns.quick else 5),
-        warmup=1 if ns.quick else 2, timeout=ns.timeout, worker=bool(ns.worker),
-    )  # fmt: skip
+    return {"batches": tuple(ns.batches or (1, 4, 32))}
+
+
+BENCH = harness.Bench(
+    strategy="branch",
+    module="hpdl.bench.train_branch",
+    description="Samples/s of branch parallelism beside one process and DataParallel for a 4-branch CNN.",
+    out="bench-results/branch",
+    rounds=(7, 2),
+    steps=(5, 2),
+    warmup=(2, 1),
+    ranks_help="ranks (at most 4)",
+    quick_help="a smaller model, few rounds (a smoke test)",
+    options=_options,
+    check=_check,
+)
+
+
+def parse(argv: list[str]) -> Options:
+    return harness.parse(BENCH, argv)
 
 
 def launch(argv: list[str]) -> int:
-    return report.launch_benchmark("hpdl bench train --strategy branch", "hpdl.bench.train_branch", parse, argv)
+    return harness.launch(BENCH, argv)
 
 
 def inception_branches(c: int) -> list:
@@ -106,7 +90,6 @@ def model(c: int, block: Any) -> Any:
 def measure(options: Options, comm: Any, batch: int) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
-    from mpi4py import MPI
 
     from hpdl.parallel import DataParallel
     from hpdl.parallel.branch import BranchParallel
@@ -145,16 +128,12 @@ def measure(options: Options, comm: Any, batch: int) -> list[dict[str, Any]]:
     for name in names:
         for b in range(options.warmup):
             step(name, b)
-    times = np.zeros((len(names), options.rounds))
-    for r in range(options.rounds):
-        for i, name in enumerate(names):
-            comm.barrier()
-            started = time.perf_counter()
-            for s in range(options.steps):
-                step(name, s)
-            times[i, r] = time.perf_counter() - started
-    comm.barrier()
-    comm.mpi_comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+
+    def run(i: int) -> None:
+        for s in range(options.steps):
+            step(names[i], s)
+
+    times = harness.alternate(len(names), options.rounds, run, lambda i: comm.barrier(), comm)
     block = built["branch"][0][2]
     records = []
     for i, name in enumerate(names):
@@ -186,50 +165,42 @@ class _Concat:
 
 
 def worker(options: Options) -> int:
-    import torch
+    return harness.worker(
+        lambda ranks: [r for batch in options.batches for r in measure(options, ranks.mpi, batch)],
+        lambda ranks, records, elapsed: write_report(ranks, options, records, elapsed),
+        gloo=False,
+    )
 
-    import hpdl
 
-    started = time.perf_counter()
-    torch.set_num_threads(1)
-    comm = hpdl.init("mpi", timeout=300.0, debug=False)
-    records = []
+def write_report(ranks: Ranks, options: Options, records: list[dict[str, Any]], elapsed: float) -> None:
+    rows = []
     for batch in options.batches:
-        records += measure(options, comm, batch)
-    if comm.rank == 0:
-        rows = []
-        for batch in options.batches:
-            mine = {r["contender"]: r for r in records if r["batch"] == batch}
-            single = mine["single"]["samples_per_s"]["median"]
-            for name, r in mine.items():
-                s = r["samples_per_s"]
-                r["vs_single"] = s["median"] / single
-                r["vs_dp"] = s["median"] / mine["dp"]["samples_per_s"]["median"] if "dp" in mine else None
-                rows.append([batch, name, s["median"], f"{s['min']:.1f}-{s['max']:.1f}", r["vs_single"], r["vs_dp"]])
-        placement = next(r for r in records if r["contender"] == "branch")
-        header = (
-            f"hpdl bench train --strategy branch: {comm.size} ranks, 4-branch Inception-style CNN "
-            f"({'16 channels, 16x16' if options.quick else '64 channels, 32x32'}), float32, OMP_NUM_THREADS=1, "
-            f"{options.rounds} rounds x {options.steps} steps, alternating per round"
-        )
-        notes = [
-            f"branch placement (rank of each branch) {placement['placement']}, measured forward+backward seconds "
-            f"per branch {[round(v, 4) for v in placement['branch_seconds']]} (batch {placement['batch']}).",
-            "dp: DataParallel, each rank on batch / ranks rows; not run where the batch does not split.",
-            "single: rank 0 alone (the other ranks idle).",
-        ]
-        table = report.markdown_table(["batch", "contender", "samples/s", "min-max", "vs single", "vs dp"], rows)
-        text = report.markdown_document("hpdl bench train --strategy branch", header, [table], notes)
-        config = report.environment(benchmark="train", strategy="branch", quick=options.quick, world_ranks=comm.size,
-                                    rounds=options.rounds, mpi_engine=comm.engine)  # fmt: skip
-        report.write_report(options.out, "branch", text, records, config, time.perf_counter() - started)
-    comm.barrier()
-    hpdl.finalize()
-    return 0
+        mine = {r["contender"]: r for r in records if r["batch"] == batch}
+        single = mine["single"]["samples_per_s"]["median"]
+        for name, r in mine.items():
+            s = r["samples_per_s"]
+            r["vs_single"] = s["median"] / single
+            r["vs_dp"] = s["median"] / mine["dp"]["samples_per_s"]["median"] if "dp" in mine else None
+            rows.append([batch, name, s["median"], f"{s['min']:.1f}-{s['max']:.1f}", r["vs_single"], r["vs_dp"]])
+    placement = next(r for r in records if r["contender"] == "branch")
+    header = (
+        f"hpdl bench train --strategy branch: {ranks.size} ranks, 4-branch Inception-style CNN "
+        f"({'16 channels, 16x16' if options.quick else '64 channels, 32x32'}), float32, OMP_NUM_THREADS=1, "
+        f"{options.rounds} rounds x {options.steps} steps, alternating per round"
+    )
+    notes = [
+        f"branch placement (rank of each branch) {placement['placement']}, measured forward+backward seconds "
+        f"per branch {[round(v, 4) for v in placement['branch_seconds']]} (batch {placement['batch']}).",
+        "dp: DataParallel, each rank on batch / ranks rows; not run where the batch does not split.",
+        "single: rank 0 alone (the other ranks idle).",
+    ]
+    table = report.markdown_table(["batch", "contender", "samples/s", "min-max", "vs single", "vs dp"], rows)
+    text = ("hpdl bench train --strategy branch", header, [table], notes, None)
+    harness.write(options, "branch", text, records, harness.config(options, ranks), elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return report.run_main(argv, parse, launch, worker)
+    return harness.main(BENCH, launch, worker, argv)
 
 
 if __name__ == "__main__":

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive
+from hpdl.bench import strategy_harness as harness
+from hpdl.bench.arguments import positive
+from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main", "CONTENDERS"]
 
@@ -44,59 +44,45 @@ TARGET_SPEEDUP, TARGET_BUBBLE_RATIO = 1.15, 0.5
 LR = 0.01
 
 
-@dataclass(frozen=True)
-class Options:
-    ranks: int = 2
-    quick: bool = False
-    out: str = "bench-results/gems"
-    models: tuple[str, ...] = ("act", "mlp")
-    chunks: int = 4
-    rounds: int = 7
-    steps: int = 5
-    warmup: int = 2
-    timeout: float = 1800.0
-    worker: bool = False
-
-    def forwarded(self) -> list[str]:
-        args = ["--strategy", "gems", "--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
-        args += ["--steps", str(self.steps), "--chunks", str(self.chunks), "--models", *self.models]
-        return args + (["--quick"] if self.quick else [])
-
-
-def parse(argv: Sequence[str]) -> Options:
-    parser = argparse.ArgumentParser(
-        prog="hpdl bench train --strategy gems",
-        description="Samples/s and bubble of GEMS-MASTER (two mirrored pipeline replicas) beside 1F1B and GPipe.",
-    )
-    parser.add_argument("--strategy", default="gems", choices=["gems"], help=argparse.SUPPRESS)
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks = stages (default 2)")
-    parser.add_argument("--quick", action="store_true", help="small models, few rounds (a smoke test)")
-    parser.add_argument("--out", default="bench-results/gems", help="output folder (default bench-results/gems)")
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         nargs="+",
         choices=["act", "mlp", "transformer"],
         help="models (default: act mlp; act: activation-heavy, GEMS' regime)",
     )
-    parser.add_argument("--chunks", type=_positive(int), default=4, help="micro-batches per step, even (default 4)")
-    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
-    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
-    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ns = parser.parse_args(list(argv))
+    parser.add_argument("--chunks", type=positive(int), default=4, help="micro-batches per step, even (default 4)")
+
+
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if ns.ranks < 2:
         parser.error(f"-n {ns.ranks}: a pipeline needs at least 2 ranks")
     if ns.chunks % 2:
         parser.error(f"--chunks {ns.chunks}: gems splits the micro-batches between two replicas; pass an even number")
-    return Options(
-        ranks=ns.ranks, quick=bool(ns.quick), out=ns.out, models=tuple(ns.models or ("act", "mlp")), chunks=ns.chunks,
-        rounds=ns.rounds or (2 if ns.quick else 7), steps=ns.steps or (2 if ns.quick else 5),
-        warmup=1 if ns.quick else 2, timeout=ns.timeout, worker=bool(ns.worker),
-    )  # fmt: skip
+    return {"models": tuple(ns.models or ("act", "mlp")), "chunks": ns.chunks}
+
+
+BENCH = harness.Bench(
+    strategy="gems",
+    module="hpdl.bench.train_gems",
+    description="Samples/s and bubble of GEMS-MASTER (two mirrored pipeline replicas) beside 1F1B and GPipe.",
+    out="bench-results/gems",
+    rounds=(7, 2),
+    steps=(5, 2),
+    warmup=(2, 1),
+    ranks_help="ranks = stages",
+    quick_help="small models, few rounds (a smoke test)",
+    options=_options,
+    check=_check,
+)
+
+
+def parse(argv: list[str]) -> Options:
+    return harness.parse(BENCH, argv)
 
 
 def launch(argv: list[str]) -> int:
-    return report.launch_benchmark("hpdl bench train --strategy gems", "hpdl.bench.train_gems", parse, argv)
+    return harness.launch(BENCH, argv)
 
 
 def activation_heavy(quick: bool) -> Any:
@@ -277,8 +263,7 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
                          " / ".join(f"{v / 2**20:.1f}" for v in r["peak_activation_bytes_per_rank"]),
                          " / ".join(f"{v / 2**20:.1f}" for v in r["parameter_bytes_per_rank"])])  # fmt: skip
         g = mine["gems"]
-        verdicts.append(f"{report.verdict(g['vs_1f1b'] >= TARGET_SPEEDUP)} {model}: gems {g['vs_1f1b']:.2f}x 1f1b's "
-                        f"samples/s (target >= {TARGET_SPEEDUP}x)")  # fmt: skip
+        verdicts.append(harness.faster(f"{model}: gems", g["vs_1f1b"], "1f1b's samples/s", TARGET_SPEEDUP))
         ratio = g["bubble_measured"] / base["bubble_measured"] if base["bubble_measured"] > 0 else math.inf
         verdicts.append(
             f"{report.verdict(ratio <= TARGET_BUBBLE_RATIO)} {model}: gems measured bubble {g['bubble_measured']:.3f} "
@@ -288,47 +273,39 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
 
 
 def worker(options: Options) -> int:
-    import torch
+    return harness.worker(
+        lambda ranks: [r for name in options.models for r in measure_model(name, options, ranks.mpi)],
+        lambda ranks, records, elapsed: write_report(ranks, options, records, elapsed),
+        gloo=False,
+        announce=lambda r: f"{r.size} ranks, MPI {r.mpi.engine}; measuring gems, 1f1b, gpipe ...",
+    )
 
-    import hpdl
 
-    started = time.perf_counter()
-    torch.set_num_threads(1)
-    comm = hpdl.init("mpi", timeout=300.0, debug=False)
-    if comm.rank == 0:
-        print(f"{comm.size} ranks, MPI {comm.engine}; measuring gems, 1f1b, gpipe ...", flush=True)
-    records = []
-    for name in options.models:
-        records += measure_model(name, options, comm)
-    if comm.rank == 0:
-        rows, verdicts = analyse(records)
-        header = (
-            f"hpdl bench train --strategy gems: {options.ranks} ranks, {options.chunks} micro-batches of the same size "
-            f"for every schedule (gems: {options.chunks // 2} per replica), equal layer counts, no recomputation, "
-            f"OMP_NUM_THREADS=1, {options.rounds} rounds x {options.steps} steps, alternating per round"
-        )
-        notes = [
-            "bubble measured = the ranks' idle share of the step: 1 - (mean over ranks of each rank's own forwards "
-            "and backwards of a step, run alone in the same round) / step time; the median over rounds.",
-            "slowest rank's bubble = 1 - (the slowest rank's own forwards and backwards) / step time: the same where "
-            "the stages cost the same; with unequal stages the faster ranks' idle time is not in it.",
-            "busy-time bubble = the engine's own count: 1 - compute seconds / step seconds (gems: both replicas and "
-            "the gradient exchange).",
-            "grid bubble = the schedule's idle fraction on its time grid (forward 1 slot, backward 2).",
-            "gems holds two stages per rank: parameters (and optimizer state) x2, the price of its filled bubble.",
-        ]
-        table = report.markdown_table(HEADERS, rows, right_align_from=2)
-        text = report.markdown_document("hpdl bench train --strategy gems", header, [table], notes, verdicts)
-        config = report.environment(benchmark="train", strategy="gems", quick=options.quick, world_ranks=comm.size,
-                                    rounds=options.rounds, chunks=options.chunks, mpi_engine=comm.engine)  # fmt: skip
-        report.write_report(options.out, "gems", text, records, config, time.perf_counter() - started)
-    comm.barrier()
-    hpdl.finalize()
-    return 0
+def write_report(ranks: Ranks, options: Options, records: list[dict[str, Any]], elapsed: float) -> None:
+    rows, verdicts = analyse(records)
+    header = (
+        f"hpdl bench train --strategy gems: {options.ranks} ranks, {options.chunks} micro-batches of the same size "
+        f"for every schedule (gems: {options.chunks // 2} per replica), equal layer counts, no recomputation, "
+        f"OMP_NUM_THREADS=1, {options.rounds} rounds x {options.steps} steps, alternating per round"
+    )
+    notes = [
+        "bubble measured = the ranks' idle share of the step: 1 - (mean over ranks of each rank's own forwards "
+        "and backwards of a step, run alone in the same round) / step time; the median over rounds.",
+        "slowest rank's bubble = 1 - (the slowest rank's own forwards and backwards) / step time: the same where "
+        "the stages cost the same; with unequal stages the faster ranks' idle time is not in it.",
+        "busy-time bubble = the engine's own count: 1 - compute seconds / step seconds (gems: both replicas and "
+        "the gradient exchange).",
+        "grid bubble = the schedule's idle fraction on its time grid (forward 1 slot, backward 2).",
+        "gems holds two stages per rank: parameters (and optimizer state) x2, the price of its filled bubble.",
+    ]
+    table = report.markdown_table(HEADERS, rows, right_align_from=2)
+    config = harness.config(options, ranks, chunks=options.chunks)
+    text = ("hpdl bench train --strategy gems", header, [table], notes, verdicts)
+    harness.write(options, "gems", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return report.run_main(argv, parse, launch, worker)
+    return harness.main(BENCH, launch, worker, argv)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hpdl.bench import report
+from hpdl.bench.strategy_harness import faster
 
 __all__ = ["horovod_contender", "verdicts"]
 
@@ -40,6 +41,5 @@ def verdicts(model: str, by_contender: dict[str, dict[str, Any]]) -> list[str]:
     return [
         f"{report.verdict(of_dp >= WITHIN_OF_DATAPARALLEL)} {model}: hpdl.horovod at {of_dp:.2f}x hpdl-mpi "
         f"DataParallel's samples/s (target >= {WITHIN_OF_DATAPARALLEL})",
-        f"{report.verdict(hvd['vs_ddp'] >= TARGET_VS_DDP)} {model}: hpdl.horovod {hvd['vs_ddp']:.2f}x DDP "
-        f"(target >= {TARGET_VS_DDP}x)",
+        faster(f"{model}: hpdl.horovod", hvd["vs_ddp"], "DDP", TARGET_VS_DDP),
     ]

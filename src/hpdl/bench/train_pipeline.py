@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive
+from hpdl.bench import strategy_harness as harness
+from hpdl.bench.arguments import positive
+from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main", "CONTENDERS", "contenders_here"]
 
@@ -68,66 +69,40 @@ def contenders_here() -> tuple[str, ...]:
     return tuple(name for name in CONTENDERS if name != "torch-1f1b")
 
 
-@dataclass(frozen=True)
-class Options:
-    """What one run measures; every field is printed in the header and stored in each JSON record."""
-
-    ranks: int = 2
-    quick: bool = False
-    out: str = "bench-results/pipeline"
-    models: tuple[str, ...] = ("mlp", "transformer")
-    chunks: int = 8
-    rounds: int = 7
-    steps: int = 5
-    warmup: int = 3
-    timeout: float = 1800.0
-    worker: bool = False
-
-    def forwarded(self) -> list[str]:
-        args = ["--strategy", "pipeline", "--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
-        args += ["--steps", str(self.steps), "--chunks", str(self.chunks), "--models", *self.models]
-        return args + (["--quick"] if self.quick else [])
-
-
-def parse(argv: Sequence[str]) -> Options:
-    parser = argparse.ArgumentParser(
-        prog="hpdl bench train --strategy pipeline",
-        description="Samples/s, bubble and activation memory of pipeline training: hpdl GPipe and 1F1B over MPI "
-        "and gloo beside torch.distributed.pipelining, one process, and the compute-only limits, in one launch.",
-    )
-    parser.add_argument("--strategy", default="pipeline", choices=["pipeline"], help=argparse.SUPPRESS)
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks = pipeline stages (default 2)")
-    parser.add_argument("--quick", action="store_true", help="small models, few rounds (a smoke test, seconds)")
-    parser.add_argument(
-        "--out", default="bench-results/pipeline", help="output folder (default bench-results/pipeline)"
-    )
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=["mlp", "transformer"], help="models (default: both)")
-    parser.add_argument("--chunks", type=_positive(int), default=8, help="micro-batches per step (default 8)")
-    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
-    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
-    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ns = parser.parse_args(list(argv))
+    parser.add_argument("--chunks", type=positive(int), default=8, help="micro-batches per step (default 8)")
+
+
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if ns.ranks < 2:
         parser.error(f"-n {ns.ranks}: a pipeline needs at least 2 ranks (one stage each)")
-    quick = bool(ns.quick)
-    return Options(
-        ranks=ns.ranks,
-        quick=quick,
-        out=ns.out,
-        models=tuple(ns.models or ("mlp", "transformer")),
-        chunks=ns.chunks,
-        rounds=ns.rounds or (2 if quick else 7),
-        steps=ns.steps or (2 if quick else 5),
-        warmup=1 if quick else 3,
-        timeout=ns.timeout,
-        worker=bool(ns.worker),
-    )
+    return {"models": tuple(ns.models or ("mlp", "transformer")), "chunks": ns.chunks}
+
+
+BENCH = harness.Bench(
+    strategy="pipeline",
+    module="hpdl.bench.train_pipeline",
+    description="Samples/s, bubble and activation memory of pipeline training: hpdl GPipe and 1F1B over MPI "
+    "and gloo beside torch.distributed.pipelining, one process, and the compute-only limits, in one launch.",
+    out="bench-results/pipeline",
+    rounds=(7, 2),
+    steps=(5, 2),
+    warmup=(3, 1),
+    ranks_help="ranks = pipeline stages",
+    quick_help="small models, few rounds (a smoke test, seconds)",
+    options=_options,
+    check=_check,
+)
+
+
+def parse(argv: list[str]) -> Options:
+    return harness.parse(BENCH, argv)
 
 
 def launch(argv: list[str]) -> int:
     """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
-    return report.launch_benchmark("hpdl bench train --strategy pipeline", "hpdl.bench.train_pipeline", parse, argv)
+    return harness.launch(BENCH, argv)
 
 
 # --------------------------------------------------------------------------- models
@@ -509,10 +484,11 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str], 
                 verdicts.append(f"n/a {model}: hpdl-mpi-{schedule}: no torch-{schedule} time to compare")
             else:
                 verdicts.append(
-                    f"{report.verdict(r['vs_torch'] >= TARGET_VS_TORCH)} {model}: hpdl-mpi-{schedule} "
-                    f"{r['vs_torch']:.2f}x torch-{schedule}'s samples/s (target >= {TARGET_VS_TORCH}x), "
-                    f"{r['of_ideal']:.0%} of the bubble-limited ideal"
-                )
+                    harness.faster(
+                        f"{model}: hpdl-mpi-{schedule}", r["vs_torch"], f"torch-{schedule}'s samples/s",
+                        TARGET_VS_TORCH, f", {r['of_ideal']:.0%} of the bubble-limited ideal",
+                    )
+                )  # fmt: skip
             bound = r["bubble_formula"] * (1 + BUBBLE_SLACK)
             verdicts.append(
                 f"{report.verdict(r['bubble_measured'] <= bound)} {model}: hpdl-mpi-{schedule} bubble "
@@ -522,9 +498,12 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str], 
     return rows, verdicts, limits
 
 
-def write_report(options: Options, records: list[dict[str, Any]], config: dict[str, Any], elapsed: float) -> None:
+def write_report(ranks: Ranks, options: Options, records: list[dict[str, Any]], elapsed: float) -> None:
     rows, verdicts, limits = analyse(records)
     table = report.markdown_table(HEADERS, rows, right_align_from=2)
+    config = harness.config(
+        options, ranks, chunks=options.chunks, checkpoint="never", optimizer=f"SGD(lr={LR}, momentum=0.9)"
+    )
     header = (
         f"hpdl bench train --strategy pipeline: {options.ranks} ranks = {options.ranks} stages (equal layer counts), "
         f"{options.chunks} micro-batches, no recomputation, OMP_NUM_THREADS=1 and torch.set_num_threads(1) per "
@@ -544,43 +523,26 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
     if "torch-1f1b" not in contenders_here():
         notes.append(NOT_HERE)
     blocks = [table, "Limits measured in this run:", "\n".join(f"- {line}" for line in limits)]
-    text = report.markdown_document("hpdl bench train --strategy pipeline", header, blocks, notes, verdicts)
-    report.write_report(options.out, "pipeline", text, records, config, elapsed)
+    text = ("hpdl bench train --strategy pipeline", header, blocks, notes, verdicts)
+    harness.write(options, "pipeline", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`launch` by default; with --worker, `worker` (every rank)."""
-    return report.run_main(argv, parse, launch, worker)
+    return harness.main(BENCH, launch, worker, argv)
 
 
 def worker(options: Options) -> int:
     """The worker (every rank): both communicators in one process, every contender, report on rank 0."""
-    import hpdl
 
-    started = time.perf_counter()
-    mpi, gloo = report.worker_communicators(300.0)
-    if mpi.rank == 0:
-        print(f"{mpi.size} ranks, MPI {mpi.engine}, torch {gloo.engine}; measuring ...", flush=True)
-    records = []
-    for name in options.models:
-        records += measure_model(name, options, mpi, gloo)
-    if mpi.rank == 0:
-        config = report.environment(
-            benchmark="train",
-            strategy="pipeline",
-            quick=options.quick,
-            world_ranks=mpi.size,
-            rounds=options.rounds,
-            chunks=options.chunks,
-            checkpoint="never",
-            mpi_engine=mpi.engine,
-            gloo_engine=gloo.engine,
-            optimizer=f"SGD(lr={LR}, momentum=0.9)",
-        )
-        write_report(options, records, config, time.perf_counter() - started)
-    mpi.barrier()
-    hpdl.finalize()
-    return 0
+    def measure(ranks: Ranks) -> list[dict[str, Any]]:
+        return [r for name in options.models for r in measure_model(name, options, ranks.mpi, ranks.gloo)]
+
+    return harness.worker(
+        measure,
+        lambda ranks, records, elapsed: write_report(ranks, options, records, elapsed),
+        announce=lambda r: f"{r.size} ranks, MPI {r.mpi.engine}, torch {r.gloo.engine}; measuring ...",
+    )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,13 @@ Run it with `hpdl bench train --strategy spatial [--size 1024] [--quick]`.
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive
+from hpdl.bench import strategy_harness as harness
+from hpdl.bench.arguments import positive
+from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main", "CONTENDERS"]
 
@@ -43,61 +43,43 @@ TARGET_HIDDEN = 0.5
 LR = 0.01
 
 
-@dataclass(frozen=True)
-class Options:
-    ranks: int = 2
-    quick: bool = False
-    out: str = "bench-results/spatial"
-    size: int = 1024
-    width: int = 8
-    rounds: int = 3
-    timeout: float = 1800.0
-    worker: bool = False
-
-    def forwarded(self) -> list[str]:
-        args = ["--strategy", "spatial", "--worker", "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
-        args += ["--size", str(self.size), "--width", str(self.width)]
-        return args + (["--quick"] if self.quick else [])
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", type=positive(int), default=1024, help="image height = width (default 1024)")
+    parser.add_argument("--width", type=positive(int), default=8, help="channels of the first stage (default 8)")
 
 
-def parse(argv: Sequence[str]) -> Options:
-    parser = argparse.ArgumentParser(
-        prog="hpdl bench train --strategy spatial",
-        description="Samples/s and activation memory per rank of a ResNet-style CNN on one high-resolution image: "
-        "one process, spatial 2-way (halo exchange) and pipeline 2-way, plus a gradient check of torch's _tp_conv.",
-    )
-    parser.add_argument("--strategy", default="spatial", choices=["spatial"], help=argparse.SUPPRESS)
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="ranks (default 2)")
-    parser.add_argument("--quick", action="store_true", help="a 128x128 image, 1 round (a smoke test)")
-    parser.add_argument("--out", default="bench-results/spatial", help="output folder (default bench-results/spatial)")
-    parser.add_argument("--size", type=_positive(int), default=1024, help="image height = width (default 1024)")
-    parser.add_argument("--width", type=_positive(int), default=8, help="channels of the first stage (default 8)")
-    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 3)")
-    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ns = parser.parse_args(list(argv))
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if ns.ranks != 2:
         parser.error(f"-n {ns.ranks}: this benchmark compares 2-way spatial with 2-way pipeline: use -n 2")
-    quick = bool(ns.quick)
-    return Options(
-        ranks=ns.ranks,
-        quick=quick,
-        out=ns.out,
-        size=128 if quick and ns.size == 1024 else ns.size,
-        width=ns.width,
-        rounds=ns.rounds or (1 if quick else 3),
-        timeout=ns.timeout,
-        worker=bool(ns.worker),
-    )
+    return {"size": 128 if ns.quick and ns.size == 1024 else ns.size, "width": ns.width}
+
+
+BENCH = harness.Bench(
+    strategy="spatial",
+    module="hpdl.bench.train_spatial",
+    description="Samples/s and activation memory per rank of a ResNet-style CNN on one high-resolution image: "
+    "one process, spatial 2-way (halo exchange) and pipeline 2-way, plus a gradient check of torch's _tp_conv.",
+    out="bench-results/spatial",
+    rounds=(3, 1),
+    steps=None,
+    ranks_help="ranks",
+    quick_help="a 128x128 image, 1 round (a smoke test)",
+    options=_options,
+    check=_check,
+)
+
+
+def parse(argv: list[str]) -> Options:
+    return harness.parse(BENCH, argv)
 
 
 def launch(argv: list[str]) -> int:
     """Start the benchmark on its ranks (mpiexec beside this Python) and return its exit code."""
-    return report.launch_benchmark("hpdl bench train --strategy spatial", "hpdl.bench.train_spatial", parse, argv)
+    return harness.launch(BENCH, argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return report.run_main(argv, parse, launch, worker)
+    return harness.main(BENCH, launch, worker, argv)
 
 
 # --------------------------------------------------------------------------- model
@@ -276,18 +258,25 @@ def tp_conv_probe(gloo: Any) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- worker
 def worker(options: Options) -> int:
+    return harness.worker(
+        lambda ranks: measure_all(options, ranks),
+        lambda ranks, records, elapsed: _write(options, ranks, records, elapsed),
+        timeout=600.0,
+        announce=lambda r: (
+            f"{r.size} ranks, MPI {r.mpi.engine}; image {options.size}^2, width {options.width}; measuring ..."
+        ),
+        finalize=False,
+    )
+
+
+def measure_all(options: Options, ranks: Ranks) -> list[dict[str, Any]]:
+    """Every contender, round after round, then the halo exchange and torch's _tp_conv: the records."""
     import torch
 
-    started = time.perf_counter()
-    mpi, gloo = report.worker_communicators(600.0)
+    mpi = ranks.mpi
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, options.size, options.size, generator=g)
     y = torch.randint(0, 10, (1,), generator=g)
-    if mpi.rank == 0:
-        print(
-            f"{mpi.size} ranks, MPI {mpi.engine}; image {options.size}^2, width {options.width}; measuring ...",
-            flush=True,
-        )
     times: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     peaks: dict[str, list[int]] = {c: [0] * mpi.size for c in CONTENDERS}
     for _ in range(options.rounds):
@@ -299,30 +288,40 @@ def worker(options: Options) -> int:
             all_peaks = mpi.allgather(torch.tensor([peak], dtype=torch.int64), sizes=[1] * mpi.size).tolist()
             peaks[name] = [max(a, int(b)) for a, b in zip(peaks[name], all_peaks)]
     overlap = halo_overlap(options, mpi, x, y)
-    probe = tp_conv_probe(gloo)
-    if mpi.rank == 0:
-        _write(options, times, peaks, overlap, probe, mpi, time.perf_counter() - started)
-    mpi.barrier()
-    return 0
-
-
-def _write(options: Options, times: dict, peaks: dict, overlap: dict, probe: dict, mpi: Any, elapsed: float) -> None:
+    probe = tp_conv_probe(ranks.gloo)
     single_peak = peaks["single"][0]
-    rows, records = [], []
+    records = []
     for name in CONTENDERS:
-        s = report.summarize([1.0 / t for t in times[name]])
         per_rank = [p for p in peaks[name] if p] or [0]
         ratio = max(per_rank) / single_peak if single_peak else None
-        rows.append([name, s["median"], f"{s['min']:.3g}-{s['max']:.3g}", report.format_bytes(max(per_rank)), ratio])
         records.append(
-            {"contender": name, "samples_per_s": s, "peak_activation_bytes": peaks[name], "peak_ratio": ratio}
+            {
+                "contender": name,
+                "samples_per_s": report.summarize([1.0 / t for t in times[name]]),
+                "peak_activation_bytes": peaks[name],
+                "peak_ratio": ratio,
+            }
         )
-    table = report.markdown_table(["contender", "samples/s", "min-max", "peak act./rank", "vs one process"], rows)
-    med = {name: report.summarize([1.0 / t for t in times[name]])["median"] for name in CONTENDERS}
     # clamped: on a noisy machine the overlapped steps may wait longer than the blocking ones (nothing hidden);
     # both waits stay in the report and the record
-    ratio = overlap["wait_overlap"] / overlap["wait_blocking"] if overlap["wait_blocking"] > 0 else 1.0
-    hidden = min(1.0, max(0.0, 1.0 - ratio))
+    waited = overlap["wait_overlap"] / overlap["wait_blocking"] if overlap["wait_blocking"] > 0 else 1.0
+    records.append({"contender": "halo", **overlap, "hidden_fraction": min(1.0, max(0.0, 1.0 - waited))})
+    records.append({"contender": "torch-tp-conv", **probe})
+    return records
+
+
+def _write(options: Options, ranks: Ranks, records: list[dict[str, Any]], elapsed: float) -> None:
+    by = {r["contender"]: r for r in records}
+    overlap, probe, hidden = by["halo"], by["torch-tp-conv"], by["halo"]["hidden_fraction"]
+    single_peak = by["single"]["peak_activation_bytes"][0]
+    rows = []
+    for name in CONTENDERS:
+        s, peak = by[name]["samples_per_s"], max([p for p in by[name]["peak_activation_bytes"] if p] or [0])
+        rows.append(
+            [name, s["median"], f"{s['min']:.3g}-{s['max']:.3g}", report.format_bytes(peak), by[name]["peak_ratio"]]
+        )
+    table = report.markdown_table(["contender", "samples/s", "min-max", "peak act./rank", "vs one process"], rows)
+    med = {name: by[name]["samples_per_s"]["median"] for name in CONTENDERS}
     halo = report.markdown_table(
         ["halo exchange per step", "value"],
         [
@@ -339,7 +338,7 @@ def _write(options: Options, times: dict, peaks: dict, overlap: dict, probe: dic
         if probe.get("runs")
         else f"torch _tp_conv: does not run here ({probe.get('error')})"
     )
-    spatial_memory = max(peaks["spatial"]) / single_peak if single_peak else float("nan")
+    spatial_memory = max(by["spatial"]["peak_activation_bytes"]) / single_peak if single_peak else float("nan")
     targets = [
         f"{report.verdict(med['spatial'] >= TARGET_VS_PIPELINE * med['pipeline'])} spatial >= {TARGET_VS_PIPELINE}x "
         f"pipeline: {med['spatial'] / med['pipeline']:.2f}x",
@@ -353,15 +352,12 @@ def _write(options: Options, times: dict, peaks: dict, overlap: dict, probe: dic
         probe_line,
     ]
     header = (
-        f"hpdl bench train --strategy spatial: {mpi.size} ranks, OMP_NUM_THREADS=1, ResNet-style CNN width "
+        f"hpdl bench train --strategy spatial: {ranks.size} ranks, OMP_NUM_THREADS=1, ResNet-style CNN width "
         f"{options.width}, one {options.size}x{options.size} image, {options.rounds} rounds"
     )
-    markdown = report.markdown_document("Spatial parallelism", header, [table, halo], notes, targets)
-    config = report.environment(benchmark="train", strategy="spatial", size=options.size, width=options.width,
-                                rounds=options.rounds, world_ranks=mpi.size)  # fmt: skip
-    records.append({"contender": "halo", **overlap, "hidden_fraction": hidden})
-    records.append({"contender": "torch-tp-conv", **probe})
-    report.write_report(options.out, "spatial", markdown, records, config, elapsed)
+    config = harness.config(options, ranks, size=options.size, width=options.width)
+    harness.write(options, "spatial", ("Spatial parallelism", header, [table, halo], notes, targets), records, config,
+                  elapsed)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ RAW_COMMANDS = {
     "dask": "start a Dask cluster on MPI ranks over the mpi:// transport (under mpiexec)",
     "plan": "predict step time and memory of every parallel plan and pick the best",
     "tune": "measure where shared-memory collectives beat MPI on this machine; hpdl.init then uses it",
+    "train": "train a model factory and a data loader with a plan file (hpdl plan --out), no code",
 }
 """Commands that parse their own options, each in hpdl.cli.<name> with `run_argv(argv)`."""
 

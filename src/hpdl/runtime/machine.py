@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from hpdl._version import __version__
+
 __all__ = ["describe"]
 
 
@@ -47,12 +49,7 @@ def describe(**extra: Any) -> dict[str, Any]:
         env["mpi4py_version"] = mpi4py.__version__
     except ImportError:
         env["mpi_library_version"] = None
-    try:
-        from hpdl import __version__ as hpdl_version
-
-        env["hpdl_version"] = hpdl_version
-    except ImportError:  # pragma: no cover - the helpers also serve scripts outside the package
-        env["hpdl_version"] = None
+    env["hpdl_version"] = __version__
     env.update(extra)
     return env
 

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import IO, Any, Iterator, Optional, Sequence
 
 from hpdl.runtime.environment import STORE_FD, loopback_interface
@@ -130,9 +131,7 @@ def job_environment(
         # Open MPI's TCP transport listens on every interface whatever it is told to use; local ranks meet in
         # shared memory without it.
         env.setdefault("OMPI_MCA_btl", "^tcp")
-    import hpdl
-
-    source = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
+    source = str(Path(os.path.abspath(__file__)).parents[2])  # the folder that holds the package hpdl
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
     return env
 

@@ -1,10 +1,12 @@
-"""Training loop, checkpoints, LR schedules and large-batch optimisers for (data-parallel) training.
+"""Training loop, checkpoints, LR schedules and large-batch optimisers, for data parallelism and every plan.
 
     sampler = hpdl.train.DistributedSampler(len(train_set), comm, seed=0)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler)
     model = hpdl.parallel.DataParallel(net, comm)
     trainer = hpdl.train.Trainer(model, optimizer, comm=comm, checkpoint="ckpt.pt")
     history = trainer.fit(loader, epochs=10, eval_loader=test_loader, resume="auto")
+
+    trainer = hpdl.train.Trainer.from_plan(model, hpdl.parallel.Plan.from_file("plan.toml"), comm)  # any plan
 
 See docs/train.md. The names below are imported on first use: they import torch, and `hpdl demo`'s
 launcher (`hpdl.train.demo.launch`, which starts the ranks and waits) needs none of it. The package does

@@ -1,13 +1,20 @@
-"""`Trainer`: the epoch loop of data-parallel training, with the things every run needs.
+"""`Trainer`: the epoch loop for every plan, with the things every run needs.
+
+It runs a data-parallel or ZeRO model, or whatever `hpdl.parallel.build(model,
+mesh, plan)` returned (pass `mesh=`, or start from `Trainer.from_plan`):
+pipelines with micro-batches, dp x pp x tp with ZeRO, spatial and branch
+plans; `hpdl.train.plans` holds what differs between them.
 
 Per step: forward (under autocast when asked), the loss of every rank
 gathered (one tiny allgather: the global mean for the progress bar and the
 loss curve, and a non-finite loss on any rank stops every rank together,
 before the model is touched), backward (a `DataParallel` model averages the
-gradients as backward returns), unscaling (fp16), clipping by global norm,
-the optimizer step and the per-step LR schedule. Per epoch: evaluation with
-metrics summed across ranks in one allreduce, and a checkpoint. Every rank
-runs the same code; only rank 0 draws the progress bar.
+gradients as backward returns; a pipeline's step runs forward and backward
+of its micro-batches, and the loss is checked before the optimizer step),
+unscaling (fp16), clipping by global norm, the optimizer step and the
+per-step LR schedule. Per epoch: evaluation with metrics summed across ranks
+in one allreduce, and a checkpoint. Every rank runs the same code; only
+rank 0 draws the progress bar.
 
 A timeline (`timeline="trace.json"` or HPDL_TIMELINE) records forward,
 backward and optimizer spans on `comm.tracer`, where DataParallel records
@@ -22,10 +29,11 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, ContextManager, Iterable, Iterator, Optional
+from typing import IO, TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 import torch
 
+import hpdl.settings as settings
 from hpdl.comm.base import Communicator
 from hpdl.comm.trace import Tracer
 from hpdl.errors import HpdlError
@@ -35,6 +43,10 @@ from hpdl.runtime.environment import restart_count
 from hpdl.train import checkpoint as ckpt
 from hpdl.train.progress import Progress
 from hpdl.train.sampler import DistributedSampler
+
+if TYPE_CHECKING:
+    from hpdl.parallel import Mesh, Plan
+    from hpdl.train.plans import MeshLayout
 
 __all__ = ["Trainer", "History", "NonFiniteLossError", "clip_grad_norm_", "PRECISIONS"]
 
@@ -90,12 +102,19 @@ class History:
 
 
 class Trainer:
-    """Runs epochs of (data-parallel) training on every rank.
+    """Runs epochs of training on every rank, for every plan.
 
-    model: a plain module or one wrapped by `hpdl.parallel.DataParallel`.
+    model: a plain module, one wrapped by `hpdl.parallel.DataParallel` or
+    ZeRO, or (with `mesh`) what `hpdl.parallel.build` returned, a `Pipeline` included.
     optimizer: any torch optimizer (see `hpdl.train.LARS`, `LAMB`).
-    loss_fn: `loss_fn(output, target)` (default cross entropy).
+    loss_fn: `loss_fn(output, target)` (default cross entropy; with `mesh`,
+    over the tp ranks' slices of the classes when the plan splits the head).
     comm: the communicator (default: `hpdl.world()` when initialised, else one process).
+    mesh: the `Mesh` the model was built on. Each batch of the loader is then
+    this rank's data-parallel replica's (`DistributedSampler(n, mesh.dp)`):
+    every rank of a replica (its tp, pp and sp ranks) must read the same
+    batches; a spatial model takes its slab of them. Checkpoints are then
+    sharded folders (`hpdl.parallel.mesh.state`) that load on any mesh.
     scheduler: an LR scheduler stepped after every optimizer step (`WarmupSchedule`).
     max_grad_norm: clip gradients by their global norm (None: no clipping).
     precision: "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (autocast and a GradScaler; GPU only).
@@ -120,6 +139,7 @@ class Trainer:
         timeline: Optional[str] = None,
         progress: bool = True,
         stream: Optional[IO[str]] = None,
+        mesh: Optional[Mesh] = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"Trainer: precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -127,9 +147,21 @@ class Trainer:
             raise ValueError(f"Trainer: max_grad_norm={max_grad_norm} must be positive (or None for no clipping)")
         if checkpoint_every < 0:
             raise ValueError(f"Trainer: checkpoint_every={checkpoint_every} must be >= 0 (0: at epoch ends only)")
-        self.model = model
+        self.model: Any = model
         self.optimizer = optimizer
-        self.loss_fn = loss_fn if loss_fn is not None else torch.nn.functional.cross_entropy
+        self.layout: Optional[MeshLayout] = None
+        if mesh is not None:
+            from hpdl.train.plans import MeshLayout
+
+            self.layout = MeshLayout(model, mesh)
+            if comm is not None and comm.size != mesh.world.size:
+                raise ValueError(
+                    f"Trainer: comm has {comm.size} ranks but the mesh's world {mesh.world.size}; pass the "
+                    "communicator the mesh was made from, or leave comm out"
+                )
+            comm = comm if comm is not None else mesh.world
+        default_loss = self.layout.default_loss() if self.layout is not None else torch.nn.functional.cross_entropy
+        self.loss_fn = loss_fn if loss_fn is not None else default_loss
         self.comm = comm if comm is not None else _default_comm()
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
@@ -140,10 +172,15 @@ class Trainer:
                 "Trainer: precision='fp16' needs a GPU (loss scaling guards fp16 gradients there); "
                 f"the model is on {self.device}. On CPU use precision='bf16' (no loss scaling needed) or 'fp32'."
             )
+        if precision == "fp16" and self.layout is not None and self.layout.pipeline:
+            raise ValueError(
+                "Trainer: precision='fp16' is not available for a pipeline (its step runs backward); "
+                "use precision='bf16' or 'fp32'"
+            )
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.checkpoint = checkpoint
         self.checkpoint_every = checkpoint_every
-        self.timeline = timeline if timeline is not None else (os.environ.get("HPDL_TIMELINE") or None)
+        self.timeline = timeline if timeline is not None else settings.text("HPDL_TIMELINE")
         if self.timeline and self.comm.tracer is None:
             self.comm.tracer = Tracer()
         self.show = progress and self.comm.rank == 0
@@ -155,6 +192,31 @@ class Trainer:
         self._pending_rng: Optional[dict[str, Any]] = None
         # DataParallel records its own forward and backward spans (and one per bucket allreduce).
         self._own_spans = not isinstance(model, DataParallel)
+
+    @classmethod
+    def from_plan(
+        cls,
+        model: torch.nn.Module,
+        plan: Plan,
+        comm: Optional[Communicator] = None,
+        *,
+        optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+        optimizer_options: Optional[dict[str, Any]] = None,
+        **options: Any,
+    ) -> Trainer:
+        """Check `plan` against this world and `model`, build the mesh and the model on it, and a Trainer.
+
+        `optimizer` is a `torch.optim` class built with `optimizer_options`
+        (lr=...) over this rank's parameters; `options` are the Trainer's.
+        The mesh is `trainer.layout.mesh`. Collective over `comm`.
+        """
+        from hpdl.parallel import Mesh, build
+
+        comm = comm if comm is not None else _default_comm()
+        plan = plan.validate(comm.size, model)
+        mesh = Mesh.from_plan(comm, plan)
+        built, opt = build(model, mesh, plan, optimizer=optimizer, **(optimizer_options or {}))
+        return cls(built, opt, comm=comm, mesh=mesh, **options)
 
     # ------------------------------------------------------------------ the loop
     def fit(
@@ -175,7 +237,7 @@ class Trainer:
         if resume is None and restart_count() > 0:
             resume = "auto"
         if resume == "auto":
-            resume = self.checkpoint if self.checkpoint and os.path.exists(self.checkpoint) else None
+            resume = self.checkpoint if self.checkpoint and self._checkpoint_exists(self.checkpoint) else None
         if resume:
             self.restore(resume)
         sampler = _find_sampler(train_loader)
@@ -250,9 +312,16 @@ class Trainer:
     def train_step(self, batch: Any) -> tuple[float, int]:
         """One optimizer step on `batch` (inputs, targets); return the global mean loss and the global sample count."""
         inputs, targets = _to_device(batch, self.device)
-        with self._span("forward", self._own_spans), self._autocast():
-            output = self.model(inputs)
-            loss = self.loss_fn(output, targets)
+        pipeline = self.layout is not None and self.layout.pipeline
+        if self.layout is not None:
+            inputs = self.layout.local_inputs(inputs)
+        if pipeline:  # forward and backward of every micro-batch, the loss relayed to every stage
+            with self._span("forward-backward"), self._autocast():
+                loss = self.model.step(inputs, targets, self.loss_fn)
+        else:
+            with self._span("forward", self._own_spans), self._autocast():
+                output = self.model(inputs)
+                loss = self.loss_fn(output, targets)
         local = torch.tensor([float(loss.detach()), float(_batch_len(targets))], dtype=torch.float64)
         gathered = (
             self.comm.allgather(local.reshape(1, 2), sizes=[1] * self.comm.size)
@@ -260,15 +329,20 @@ class Trainer:
             else local.reshape(1, 2)
         )
         losses, counts = gathered[:, 0], gathered[:, 1]
+        if self.layout is not None:  # every rank of a replica counted its batch: count it once
+            counts = counts / self.layout.ranks_per_replica
         if not bool(torch.isfinite(losses).all()):
+            if pipeline:
+                self.optimizer.zero_grad(set_to_none=True)
             self._non_finite(losses)
-        with self._span("backward", self._own_spans):
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if not pipeline:
+            with self._span("backward", self._own_spans):
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.max_grad_norm is not None:
             own = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeRO: sharded gradients, its own global norm
-            norm = own(self.max_grad_norm) if own else clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            norm = own(self.max_grad_norm) if own else self._clip(self.max_grad_norm)
             if self.scaler is None and not bool(torch.isfinite(norm)):
                 self._non_finite(losses, what=f"gradient norm ({float(norm)})")
         with self._span("optimizer"):
@@ -311,22 +385,29 @@ class Trainer:
         """Mean loss and accuracy over every rank's shard of `loader`, summed across ranks in one allreduce.
 
         Runs the plain module (no DataParallel hooks), so ranks may hold shards
-        of different sizes (`DistributedSampler(..., pad=False)`).
+        of different sizes (`DistributedSampler(..., pad=False)`). With a mesh
+        it runs the built model (every rank of a replica reads the same
+        batches) and one rank per replica, on the last stage, counts them.
         """
-        module = ckpt.unwrap(self.model)
-        was_training = module.training
-        module.eval()
+        layout = self.layout
+        module: Any = ckpt.unwrap(self.model) if layout is None else self.model
+        was_training = module.training if isinstance(module, torch.nn.Module) else True
+        module.train(False)
         sums = torch.zeros(4, dtype=torch.float64)  # loss * n, correct, n, classified n
+        reports = layout is None or layout.reports()
         try:
             for batch in loader:
                 inputs, targets = _to_device(batch, self.device)
                 with self._autocast():
-                    output = module(inputs)
-                    loss = self.loss_fn(output, targets)
+                    output = module(inputs) if layout is None else layout.predict(layout.local_inputs(inputs))
+                    loss = None if output is None else self.loss_fn(output, targets)  # None: a pipeline's early stage
+                if loss is None or not reports:
+                    continue
                 n = _batch_len(targets)
                 sums[0] += float(loss) * n
                 sums[2] += n
-                if isinstance(output, torch.Tensor) and output.dim() == 2 and targets.dim() == 1:
+                whole = layout is None or not layout.output_split
+                if whole and isinstance(output, torch.Tensor) and output.dim() == 2 and targets.dim() == 1:
                     sums[1] += float((output.argmax(dim=1) == targets).sum())
                     sums[3] += n
         finally:
@@ -346,6 +427,9 @@ class Trainer:
         sampler_state = None
         if sampler is not None:
             sampler_state = dict(sampler.state_dict(), epoch=self.epoch, consumed=0)
+        if self.layout is not None:
+            self.layout.save(path, self.optimizer, self._loop_state(sampler_state))
+            return
         ckpt.save(
             path,
             self.model,
@@ -360,7 +444,21 @@ class Trainer:
 
     def restore(self, path: str) -> ckpt.Checkpoint:
         """Load a checkpoint written by `save`; `fit` continues from its epoch and step."""
-        state = ckpt.load(
+        if self.layout is not None:
+            state = self._restore_loop(path, self.layout.load(path, self.optimizer))
+        else:
+            state = self._restore_file(path)
+        history = state.extra.get("history") or {}
+        self.history = History(list(history.get("losses", [])), list(history.get("epochs", [])))
+        self.epoch, self.global_step = state.epoch, state.step
+        self.step_in_epoch = int(state.extra.get("step_in_epoch", 0))
+        self._pending_rng = state.rng
+        if self.show:
+            log.info("resumed from %s at epoch %d, global step %d", path, self.epoch + 1, self.global_step)
+        return state
+
+    def _restore_file(self, path: str) -> ckpt.Checkpoint:
+        return ckpt.load(
             path,
             self.model,
             self.optimizer,
@@ -370,14 +468,38 @@ class Trainer:
             restore_rng=False,
             map_location=self.device,
         )
-        history = state.extra.get("history") or {}
-        self.history = History(list(history.get("losses", [])), list(history.get("epochs", [])))
-        self.epoch, self.global_step = state.epoch, state.step
-        self.step_in_epoch = int(state.extra.get("step_in_epoch", 0))
-        self._pending_rng = state.rng
-        if self.show:
-            log.info("resumed from %s at epoch %d, global step %d", path, self.epoch + 1, self.global_step)
-        return state
+
+    def _loop_state(self, sampler_state: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """What a mesh checkpoint holds beside the tensors: the loop's position, history, RNG states (collective)."""
+        return {
+            "epoch": self.epoch,
+            "step": self.global_step,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "rng": self.comm.allgather_object(ckpt.rng_state()),
+            "extra": {"step_in_epoch": self.step_in_epoch, "history": self.history.state(), "sampler": sampler_state},
+        }
+
+    def _restore_loop(self, path: str, state: dict[str, Any]) -> ckpt.Checkpoint:
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if obj is not None:
+                if state.get(name) is None:
+                    raise ckpt.CheckpointError(f"checkpoint {path} holds no {name} state, but the Trainer has one")
+                obj.load_state_dict(state[name])
+        states = state.get("rng") or []
+        mine = states[self.comm.rank % len(states)] if states else None
+        return ckpt.Checkpoint(path, int(state["epoch"]), int(state["step"]), dict(state.get("extra") or {}), mine)
+
+    def _checkpoint_exists(self, path: str) -> bool:
+        return self.layout.exists(path) if self.layout is not None else os.path.exists(path)
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm, clipped: over the mesh's axes for a built model (each parameter once)."""
+        if self.layout is not None:
+            from hpdl.parallel.mesh import clip_grad_norm_ as clip_mesh
+
+            return clip_mesh(self.model, max_norm, self.layout.mesh)
+        return clip_grad_norm_(self.model.parameters(), max_norm)
 
     # ------------------------------------------------------------------ helpers
     def _span(self, name: str, record: bool = True) -> ContextManager[None]:

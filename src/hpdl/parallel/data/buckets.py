@@ -169,6 +169,8 @@ class GradientReducer:
         self._next = 0  # the next bucket to launch
         self._polled = 0  # the first launched bucket not yet seen complete
         self.backward_started = 0.0
+        self.reductions = 0
+        """How many times the gradients were reduced (synced backward passes and `sync_now`): a step counter."""
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, bucket.index, slot))
             for bucket in self.buckets
@@ -189,6 +191,7 @@ class GradientReducer:
         self._reduce_rest()
         self._wait_all()
         self._unsynced = False
+        self.reductions += 1
 
     def remove(self) -> None:
         """Unregister the gradient hooks (the gradients stay views of the buckets until reset)."""
@@ -231,6 +234,7 @@ class GradientReducer:
         self._wait_all()
         self._unsynced = False
         self._passes = 0
+        self.reductions += 1
 
     # ------------------------------------------------------------------ steps
     def _reset(self) -> None:

@@ -15,14 +15,14 @@ in training mode, as PyTorch DDP does.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from hpdl.comm.base import Communicator
 from hpdl.parallel.data.buckets import GradientReducer, allocate, describe
+from hpdl.parallel.shared.gradient_sync import LocalAccumulation
 
 __all__ = ["DataParallel", "broadcast_tensors"]
 
@@ -50,7 +50,7 @@ def broadcast_tensors(comm: Communicator, tensors: Iterable[torch.Tensor], root:
                     offset += t.numel()
 
 
-class DataParallel(nn.Module):
+class DataParallel(LocalAccumulation, nn.Module):
     """Wrap `module` so that `loss.backward()` leaves gradients averaged over the ranks of `comm`.
 
     Arguments:
@@ -61,8 +61,10 @@ class DataParallel(nn.Module):
             latency fewer times.
         compression: None, "fp16" or "bf16": gradients travel in that dtype
             and are averaged back in their own (the sum on the wire rounds).
-        broadcast_buffers: broadcast rank 0's buffers before every forward in
-            training mode (batch-norm statistics stay identical).
+        broadcast_buffers: broadcast rank 0's buffers before the first forward
+            of each step in training mode (batch-norm statistics stay identical);
+            later forwards of the same step (micro-batches, a pipeline's stage)
+            leave them alone, as their backward still needs the values it saved.
         op: "avg" (the mean gradient, as one process on the whole batch) or "sum".
 
     Every rank must run the same number of synced backward passes; a
@@ -87,6 +89,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.comm = comm
         self.broadcast_buffers = bool(broadcast_buffers)
+        self._buffers_sent_at = -1  # the reducer's `reductions` when rank 0's buffers were last sent
         # Reverse registration order: roughly the order in which backward produces the gradients.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         self.reducer = GradientReducer(params, comm, bucket_mb=bucket_mb, compression=compression, op=op)
@@ -99,9 +102,13 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.training and self.comm.size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_tensors(self.comm, buffers, root=0)
+            # Once per step: an in-place copy into a buffer that an earlier micro-batch's graph saved (batch
+            # norm's running statistics) would fail that micro-batch's backward, on the receiving ranks only.
+            if self._buffers_sent_at != self.reducer.reductions:
+                self._buffers_sent_at = self.reducer.reductions
+                buffers = list(self.module.buffers())
+                if buffers:
+                    broadcast_tensors(self.comm, buffers, root=0)
         tracer = self.comm.tracer
         if tracer is None:
             return self.module(*args, **kwargs)
@@ -113,24 +120,6 @@ class DataParallel(nn.Module):
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
         self.reducer.backward_started = time.perf_counter()
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next backward outside reduces the sum.
-
-        As with DDP, scale the loss (for example by 1/k for k micro-batches)
-        if the step should use the mean over micro-batches.
-        """
-        previous = self.reducer.enabled
-        self.reducer.enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.enabled = previous
-
-    def sync_gradients(self) -> None:
-        """Reduce the current gradients now (collective): after `no_sync` passes with no synced backward to follow."""
-        self.reducer.sync_now()
 
     def __repr__(self) -> str:
         return f"DataParallel(ranks={self.comm.size}, buckets={len(self.reducer.buckets)}, module={self.module!r})"

@@ -20,8 +20,7 @@ parallelism) gradients are averaged over the samples too.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from torch import nn
 from hpdl.comm.base import Communicator
 from hpdl.parallel.data.buckets import GradientReducer
 from hpdl.parallel.data.data_parallel import broadcast_tensors
+from hpdl.parallel.shared.gradient_sync import LocalAccumulation
 from hpdl.parallel.spatial.convert import convert
 from hpdl.parallel.spatial.extent import SpatialContext, slab_sizes
 from hpdl.parallel.spatial.grid import axis_groups, normalize_split
@@ -38,7 +38,7 @@ from hpdl.parallel.spatial.slabs import gather, shard
 __all__ = ["SpatialParallel"]
 
 
-class SpatialParallel(nn.Module):
+class SpatialParallel(LocalAccumulation, nn.Module):
     """Wrap `module` so that each rank of `comm` computes its slab of every activation along `dim`.
 
     Arguments:
@@ -134,20 +134,6 @@ class SpatialParallel(nn.Module):
         for _, group in self.axes:
             if group is not self.comm:
                 group.close()
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next backward outside reduces them."""
-        previous = self.reducer.enabled
-        self.reducer.enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.enabled = previous
-
-    def sync_gradients(self) -> None:
-        """Reduce the current gradients now (collective), after `no_sync` passes."""
-        self.reducer.sync_now()
 
     @property
     def halo_stats(self) -> HaloStats:
