@@ -93,6 +93,10 @@ SHARED_POOLS = {
     "test_tune.py": "shared-memory",
     "test_torch_backend.py": "torch-backend",
     "test_torch_backend_training.py": "torch-backend",
+    "test_mesh.py": "mesh",  # both run their layouts on one 4-rank MPI pool
+    "test_zero_hybrid.py": "mesh",
+    "test_tensorflow.py": "tensorflow",  # one pool of 2 TensorFlow ranks (KERAS_BACKEND=tensorflow) for both
+    "test_keras_tf.py": "tensorflow",
 }
 """Files that start the same rank pools (the same environment) run on one pytest worker, which starts each
 pool once for both; every other file is a group of its own (see pytest_xdist_make_scheduler)."""

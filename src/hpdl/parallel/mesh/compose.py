@@ -97,6 +97,7 @@ def build(
             optimizer,
             bucket_mb=plan.bucket_mb,
             mixed_precision=plan.mixed_precision,
+            reshard_after_forward=plan.reshard_after_forward,
             **optimizer_options,
         )
         zmodel.mesh = mesh  # the ZeRO optimizer's clip_grad_norm_ then spans tp as well
@@ -181,6 +182,7 @@ def _build_pipeline(
                 optimizer,
                 bucket_mb=plan.bucket_mb,
                 mixed_precision=plan.mixed_precision,
+                reshard_after_forward=plan.reshard_after_forward,
                 **optimizer_options,
             )
             zmodel.mesh = mesh  # the ZeRO optimizer's clip_grad_norm_ then spans tp and pp as well
@@ -200,5 +202,8 @@ def _build_pipeline(
         wrap_stage=wrap,
     )
     LAYER_NAMES[pipe] = [name for name, _ in model.named_children()]
-    opt = made.get("optimizer") or optimizer(pipe.parameters(), **optimizer_options)
+    # A stage without parameters (a ReLU alone) gets an optimizer of one empty group: torch refuses an empty
+    # list, and that rank alone raising left the other stages waiting on it.
+    params = list(pipe.parameters())
+    opt = made.get("optimizer") or optimizer(params or [{"params": []}], **optimizer_options)
     return pipe, opt

@@ -96,7 +96,12 @@ class Plan:
     """With sp > 1 and pp > 1: how many leading pipeline stages split their activations over sp (MPI4DL's
     spatial + layer parallelism); the later stages run whole on each rank of the spatial group."""
     zero_stage: int = 0
-    """ZeRO stage over the data-parallel group: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters."""
+    """ZeRO stage over the data-parallel group: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters (each
+    pipeline stage's parameters, and each tp slice, sharded over its dp group)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3 (FSDP2's option): true gathers each unit for every micro-batch's forward and again for its
+    backward; false keeps a stage's units gathered from their first forward to the step's reducing backward
+    (fewer all-gathers, the stage's full parameters held during the step)."""
     micro_batches: int = 1
     """Micro-batches per step in the pipeline (pp > 1); 1F1B needs at least pp of them."""
     schedule: Optional[str] = None
@@ -184,16 +189,12 @@ class Plan:
                 f"Plan: compression={self.compression!r} applies to DataParallel's allreduce; ZeRO (zero_stage="
                 f"{self.zero_stage}) reduces in the gradients' own dtype: set compression to None or zero_stage to 0"
             )
-        if self.zero_stage == 3 and self.pp != 1:
+        if not isinstance(self.reshard_after_forward, bool):
+            raise PlanError(f"Plan: reshard_after_forward={self.reshard_after_forward!r} must be true or false")
+        if not self.reshard_after_forward and self.zero_stage != 3:
             raise PlanError(
-                "Plan: zero_stage=3 with pp > 1 is not supported (each micro-batch would gather every stage "
-                "parameter again); use zero_stage=2 with pipelines: gradients accumulate over the micro-batches "
-                "and are reduce-scattered once per step"
-            )
-        if self.zero_stage == 3 and self.tp != 1:
-            raise PlanError(
-                "Plan: zero_stage=3 with tp > 1 is not supported yet (tensor-parallel shards would be "
-                "re-sharded by ZeRO-3); use zero_stage=1 or 2 with tensor parallelism"
+                "Plan: reshard_after_forward=false keeps ZeRO-3's gathered parameters across a step's micro-batches; "
+                f"zero_stage is {self.zero_stage}: set zero_stage=3, or leave reshard_after_forward true"
             )
 
     def _check_spatial(self) -> None:
@@ -409,10 +410,11 @@ class Plan:
 
     def describe(self) -> str:
         """A few lines for logs: degrees, ZeRO, pipeline and tensor-parallel settings."""
+        kept = "" if self.reshard_after_forward else " (units kept gathered across micro-batches)"
         lines = [
             f"mesh      {' x '.join(f'{a}={getattr(self, a)}' for a in DEGREES)} (placement, innermost first: "
             f"{', '.join(self.placement)})",
-            f"zero      stage {self.zero_stage} over the dp group; bucket {self.bucket_mb:g} MB; "
+            f"zero      stage {self.zero_stage} over the dp group{kept}; bucket {self.bucket_mb:g} MB; "
             f"compression {self.compression}; mixed precision {self.mixed_precision}",
         ]
         if self.pp > 1:

@@ -243,6 +243,18 @@ class _Step:
         else:
             self._backward(action.microbatch, index == self.last_backward)
         self.link.reap()
+        self._prefetch_parameters(index + 1)
+
+    def _prefetch_parameters(self, index: int) -> None:
+        """Tell a stage that gathers its parameters (ZeRO-3's `prefetch_for`) what action comes next, so that
+        the gather of its first unit overlaps the wait for that action's activations or gradients."""
+        hint = getattr(self.e.module, "prefetch_for", None)
+        if hint is None or index >= len(self.actions):
+            return
+        action = self.actions[index]
+        item = self.flight.get(action.microbatch)
+        recomputes = item is not None and item.rng is not None
+        hint("forward" if action.kind == "F" or recomputes else "backward")
 
     def result(self) -> Any:
         """After the last action: the weighted loss (train) or the joined outputs on the last stage (predict)."""

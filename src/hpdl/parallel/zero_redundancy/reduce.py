@@ -17,7 +17,10 @@ too: every rank launches every unit, so nothing hangs. Each rank's block
 carries one usage flag per parameter of the unit (as DataParallel's buckets
 do): a parameter that no rank had a gradient for keeps none, as in one
 process. Backward passes with
-`enabled = False` (`no_sync`) only accumulate `param.grad` locally.
+`enabled = False` (`no_sync`) only accumulate `param.grad` locally; they
+still report each unit whose gradients are all in (`on_unit_done(u,
+False)`), so that stage 3 frees its parameters after each micro-batch's
+backward, not at the end of the pass.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ class ShardReducer:
         comm: Communicator,
         order: Sequence[int],
         *,
-        on_unit_reduced: Optional[Callable[[int], None]] = None,
-        on_backward_end: Optional[Callable[[], None]] = None,
+        on_unit_done: Optional[Callable[[int, bool], None]] = None,
+        on_backward_end: Optional[Callable[[bool], None]] = None,
         on_backward_start: Optional[Callable[[], None]] = None,
     ):
         self.units = list(units)
@@ -54,7 +57,8 @@ class ShardReducer:
         self.order = list(order)
         self.enabled = True
         self.unsynced = False
-        self.on_unit_reduced = on_unit_reduced
+        self.on_unit_done = on_unit_done
+        """Called with (unit, reducing) when a unit's gradients of this pass are all in (stage 3 frees it)."""
         self.on_backward_end = on_backward_end
         self.on_backward_start = on_backward_start
         self.in_backward = False
@@ -79,10 +83,10 @@ class ShardReducer:
             return
         self.in_backward = True
         self._syncing = self.enabled
+        self._remaining = [len(u.params) for u in self.units]
+        self._ready = [[False] * len(u.params) for u in self.units]
         if self._syncing:
             self._next = self._polled = 0
-            self._remaining = [len(u.params) for u in self.units]
-            self._ready = [[False] * len(u.params) for u in self.units]
         else:
             self.unsynced = True
         if self.on_backward_start is not None:
@@ -100,6 +104,11 @@ class ShardReducer:
         self._wait_all()
         self.unsynced = False
 
+    def poll(self) -> None:
+        """Retire the reduce-scatters that have finished (their staging rows freed), without waiting."""
+        if self._syncing:
+            self._poll()
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -108,26 +117,32 @@ class ShardReducer:
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, u: int, slot: int, param: nn.Parameter) -> None:
         self.begin()
-        if not self._syncing:
+        if not self._syncing:  # no_sync: the gradient stays in param.grad
+            if not self._ready[u][slot]:
+                self._ready[u][slot] = True
+                self._remaining[u] -= 1
+                if self._remaining[u] == 0 and self.on_unit_done is not None:
+                    self.on_unit_done(u, False)
             return
         self._stage(u, slot, param)
         self._ready[u][slot] = True
         self._remaining[u] -= 1
         if self._remaining[u] == 0:
-            if self.on_unit_reduced is not None:
-                self.on_unit_reduced(u)
+            if self.on_unit_done is not None:
+                self.on_unit_done(u, True)
             self._launch_ready()
         self._poll()
 
     def _end_backward(self) -> None:
         self.in_backward = False
-        if self._syncing:
+        syncing = self._syncing
+        if syncing:
             self._syncing = False
             self._reduce_rest()
             self._wait_all()
             self.unsynced = False
         if self.on_backward_end is not None:
-            self.on_backward_end()
+            self.on_backward_end(syncing)
 
     # ------------------------------------------------------------------ steps
     def _staging_for(self, u: int) -> torch.Tensor:
@@ -166,6 +181,7 @@ class ShardReducer:
     def _launch(self, u: int) -> None:
         buffers = self.units[u]
         staging = self._staging_for(u).reshape(-1)
+        buffers.ensure_grad()
         grad = buffers.grad_flat
         assert grad is not None
         direct = buffers.grad_fresh and grad.dtype == staging.dtype
@@ -191,8 +207,8 @@ class ShardReducer:
                 if not self._ready[u][slot] and p.grad is not None:  # accumulated in no_sync passes
                     self._stage(u, slot, p)
             self._remaining[u] = 0
-            if self.on_unit_reduced is not None:
-                self.on_unit_reduced(u)
+            if self.on_unit_done is not None:
+                self.on_unit_done(u, True)
             self._launch(u)
         self._next = len(self.order)
 

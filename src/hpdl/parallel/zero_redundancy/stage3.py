@@ -12,6 +12,16 @@ module gets hooks:
 - after its backward (every parameter's gradient staged, `ShardReducer`):
   free it; its gradient goes out in a reduce-scatter.
 
+The root unit (parameters outside every unit) is gathered by the wrapper
+before the forward and again by a hook on the wrapper's outputs before
+the backward: a pipeline stage runs several micro-batches' forwards and
+backwards in any order, and a backward may follow another backward's end.
+With `reshard=False` (FSDP2's `reshard_after_forward=False`) a unit stays
+gathered from its first forward until the end of the next backward that
+reduces gradients: a pipeline step's micro-batches then gather every unit
+once per step instead of twice per micro-batch, for the memory of a whole
+stage's parameters during the step.
+
 The forward order is recorded in the first forward pass; it must be the
 same on every rank (the same model code on every rank), since the gathers
 are collectives.
@@ -103,10 +113,15 @@ class ParamScheduler:
         *,
         prefetch: bool,
         begin_backward: Callable[[], None],
+        reshard: bool = True,
+        poll: Optional[Callable[[], None]] = None,
     ):
         self.units = list(units)
+        self.poll = poll
+        """Retires the reduce-scatters that finished (their staging is freed) before a prefetch allocates more."""
         self.comm = comm
         self.prefetch = prefetch
+        self.reshard = reshard
         self.begin_backward = begin_backward
         self.root = next((i for i, m in enumerate(modules) if m is None), None)
         self.forward_order: list[int] = []
@@ -144,6 +159,34 @@ class ParamScheduler:
             self.free(u)
 
     def gather_root(self) -> None:
+        """Before the forward: the root unit, and the prefetch of the first unit in forward order."""
+        if self.root is not None:
+            self.gather(self.root)
+        if self.recorded and self.forward_order:
+            self.start(self.forward_order[0])
+
+    def prefetch_for(self, kind: str) -> None:
+        """Start the gathers the next pass needs first: the root and the first unit before a forward, the root
+        and the last unit before a backward (a pipeline stage knows which comes next: `Pipeline` tells it)."""
+        if not self.prefetch or not self.recorded or not self.forward_order:
+            return
+        if self.root is not None:
+            self.start(self.root)
+        self.start(self.forward_order[0] if kind == "forward" else self.forward_order[-1])
+
+    def unit_done(self, u: int, syncing: bool) -> None:
+        """Unit `u`'s backward is over on this pass: free it, unless it is kept until the reducing backward."""
+        if self.reshard or syncing:
+            self.free(u)
+
+    def backward_done(self, syncing: bool) -> None:
+        """A backward pass ended: free every unit, unless they are kept until the reducing backward."""
+        if self.reshard or syncing:
+            self.free_all()
+
+    def root_pre_backward(self, grad: torch.Tensor) -> None:
+        """A hook on the wrapper's outputs: the root's parameters are back before the backward needs them."""
+        self.begin_backward()
         if self.root is not None:
             self.gather(self.root)
 
@@ -169,12 +212,13 @@ class ParamScheduler:
     def _make_post_forward(self, u: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if torch.is_grad_enabled():
-                for t in _tensors(output):
+                for t in tensors_of(output):
                     if t.requires_grad:
                         t.register_hook(self._make_pre_backward(u))
-            self.free(u)
+            if self.reshard:
+                self.free(u)
             # Prefetch after freeing: at most one unit's parameters are gathered at a time in forward (FSDP2's
-            # default); the gather overlaps whatever runs between this unit and the next.
+            # default); the gather overlaps whatever runs between this unit and the next (a no-op when kept).
             self.start(self._neighbour(u, +1))
             return None
 
@@ -184,6 +228,8 @@ class ParamScheduler:
         def hook(grad: torch.Tensor) -> None:
             self.begin_backward()
             self.gather(u)
+            if self.poll is not None:
+                self.poll()
             self.start(self._neighbour(u, -1))
 
         return hook
@@ -194,11 +240,11 @@ class ParamScheduler:
         self._handles = []
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_of(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in tensors_of(v)]
     return []

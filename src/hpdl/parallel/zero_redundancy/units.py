@@ -12,7 +12,9 @@ For a unit (`zero_partition.Unit`) of P padded elements and shard size S:
   optimizer offload. Without mixed precision or offload at stages 1 and 2 it
   is the view `flat[lo:hi]` itself (no copy).
 - `grad` (S elements, master dtype, compute device): the reduced gradient
-  shard of stages 2 and 3 (stage 1 reads its part of the full gradients),
+  shard of stages 2 and 3 (stage 1 reads its part of the full gradients);
+  `zero_grad(set_to_none=True)` releases its storage until the next
+  reduction writes it (`release_grad`, `ensure_grad`),
   followed in `grad_flat` by `used`, one flag per parameter of the unit:
   above 0 where some rank had a gradient for it (a parameter no rank used
   keeps no gradient, as in one process, so momentum and weight decay leave
@@ -69,6 +71,27 @@ class UnitBuffers:
         """The gradient shard and usage flags (stages 2 and 3), zeroed."""
         flat = torch.zeros(self.unit.shard + len(self.unit.slots), dtype=dtype, device=self.flat.device)
         self.grad_flat, self.grad, self.used = flat, flat[: self.unit.shard], flat[self.unit.shard :]
+
+    @property
+    def has_grad(self) -> bool:
+        """The gradient shard holds memory (stages 2 and 3: False after `release_grad`, until a reduction)."""
+        return self.grad_flat is not None and self.grad_flat.untyped_storage().nbytes() > 0
+
+    def release_grad(self) -> None:
+        """`zero_grad(set_to_none=True)`: give the gradient shard's memory back until the next reduction writes
+        it (as torch frees `.grad`), so a forward holds no gradients: FSDP2's peak, not the shard's bytes above it."""
+        if self.grad_flat is not None:
+            self.grad_flat.untyped_storage().resize_(0)
+            self.grad_fresh = True
+
+    def ensure_grad(self) -> None:
+        """Memory for the gradient shard again (its values are undefined: the reduction writes all of them)."""
+        assert self.grad_flat is not None
+        storage = self.grad_flat.untyped_storage()
+        need = self.grad_flat.numel() * self.grad_flat.element_size()
+        if storage.nbytes() != need:
+            storage.resize_(need)
+            self.grad_fresh = True
 
     # ------------------------------------------------------------------ stage 3: gather and free
     def start_gather(self, comm: Communicator) -> None:

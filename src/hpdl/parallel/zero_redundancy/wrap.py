@@ -19,7 +19,6 @@ Memory per rank, for Psi parameters on N ranks, is `memory_formula`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -28,12 +27,12 @@ from torch import nn
 from hpdl.checkpoint import ShardReader, ShardWriter
 from hpdl.comm.base import Communicator
 from hpdl.parallel.data.buckets import GradientReducer
-from hpdl.parallel.shared import InnerOptimizerState, MeshGroups, clip_by_global_norm_
+from hpdl.parallel.shared import InnerOptimizerState, LocalAccumulation, MeshGroups, clip_by_global_norm_
 from hpdl.parallel.tensor import tp_shards
 from hpdl.parallel.zero_redundancy import checkpointing
 from hpdl.parallel.zero_redundancy.partition import Unit, plan_units
 from hpdl.parallel.zero_redundancy.reduce import ShardReducer
-from hpdl.parallel.zero_redundancy.stage3 import ParamScheduler, WrapPolicy, units_by_policy
+from hpdl.parallel.zero_redundancy.stage3 import ParamScheduler, WrapPolicy, tensors_of, units_by_policy
 from hpdl.parallel.zero_redundancy.units import UnitBuffers, build_unit
 
 __all__ = ["zero", "ZeroModel", "ZeroOptimizer", "memory_formula", "clip_zero_grad_norm_"]
@@ -53,6 +52,7 @@ def zero(
     wrap_policy: WrapPolicy = None,
     prefetch: bool = True,
     offload_optimizer: bool = False,
+    reshard_after_forward: bool = True,
     **optimizer_kwargs: Any,
 ) -> tuple[ZeroModel, ZeroOptimizer]:
     """Wrap `model` for ZeRO `stage` over `comm` and build `optimizer(**optimizer_kwargs)` on this rank's shard.
@@ -76,6 +76,12 @@ def zero(
         prefetch: stage 3: start gathering the next unit while one computes.
         offload_optimizer: keep master copies and optimizer state in host
             memory (parameters on a CUDA device only).
+        reshard_after_forward: stage 3 (FSDP2's option): True frees each
+            unit after its forward and gathers it again for its backward;
+            False keeps units gathered from their forward until the next
+            backward that reduces gradients, so a pipeline stage (or a
+            `no_sync` loop) gathers them once per step, not twice per
+            micro-batch, holding the stage's full parameters meanwhile.
     """
     wrapped = ZeroModel(
         model,
@@ -86,6 +92,7 @@ def zero(
         wrap_policy=wrap_policy,
         prefetch=prefetch,
         offload_optimizer=offload_optimizer,
+        reshard_after_forward=reshard_after_forward,
     )
     return wrapped, ZeroOptimizer(wrapped, optimizer, **optimizer_kwargs)
 
@@ -132,7 +139,7 @@ def memory_formula(
     return parts
 
 
-class ZeroModel(nn.Module):
+class ZeroModel(LocalAccumulation, nn.Module):
     """The model side of ZeRO (build it with `zero(...)`): hooks that reduce gradients and gather parameters.
 
     `no_sync()` works as in `DataParallel`: backward passes inside only
@@ -151,6 +158,7 @@ class ZeroModel(nn.Module):
         wrap_policy: WrapPolicy = None,
         prefetch: bool = True,
         offload_optimizer: bool = False,
+        reshard_after_forward: bool = True,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -163,6 +171,8 @@ class ZeroModel(nn.Module):
             raise ValueError(f"bucket_mb={bucket_mb!r} must be a positive number of megabytes")
         if mixed_precision not in PRECISIONS:
             raise ValueError(f"mixed_precision={mixed_precision!r}: choose None or 'bf16'")
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward={reshard_after_forward!r} must be True or False")
         trainable = _unique_trainable(module, stage)
         if not trainable:
             raise ValueError("zero: the model has no parameter with requires_grad=True; nothing to train")
@@ -229,14 +239,20 @@ class ZeroModel(nn.Module):
             if stage == 3:
                 order = order[::-1]  # registration order forward: backward meets the last units first
                 self.scheduler = ParamScheduler(
-                    self.shards, modules, comm, prefetch=prefetch, begin_backward=self._begin_backward
+                    self.shards,
+                    modules,
+                    comm,
+                    prefetch=prefetch,
+                    begin_backward=self._begin_backward,
+                    reshard=reshard_after_forward,
+                    poll=self._poll_reductions,
                 )
             self.reducer = ShardReducer(
                 self.shards,
                 comm,
                 order,
-                on_unit_reduced=self.scheduler.free if self.scheduler is not None else None,
-                on_backward_end=self.scheduler.free_all if self.scheduler is not None else None,
+                on_unit_done=self.scheduler.unit_done if self.scheduler is not None else None,
+                on_backward_end=self.scheduler.backward_done if self.scheduler is not None else None,
             )
 
     # ------------------------------------------------------------------ forward
@@ -250,31 +266,32 @@ class ZeroModel(nn.Module):
             self.scheduler.end_of_forward()
             if not torch.is_grad_enabled():
                 self.scheduler.free_all()
+            else:  # the root unit again before this output's backward (it may come after another's end)
+                for t in tensors_of(out):
+                    if t.requires_grad:
+                        t.register_hook(self.scheduler.root_pre_backward)
         if self.compute_dtype is not None:
             out = _cast(out, torch.float32)
         return out
 
+    def prefetch_for(self, kind: str) -> None:
+        """Stage 3: start gathering what the next "forward" or "backward" pass needs first (a pipeline calls
+        it between its actions, on every rank of the dp group in the same order: the gathers are collective)."""
+        if kind not in ("forward", "backward"):
+            raise ValueError(f"prefetch_for({kind!r}): say 'forward' or 'backward'")
+        if self.scheduler is not None:
+            self.scheduler.prefetch_for(kind)
+
+    def _poll_reductions(self) -> None:
+        self.reducer.poll()
+
     def _begin_backward(self) -> None:
         self.reducer.begin()
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next backward outside reduces the sum."""
-        previous = self.reducer.enabled
-        self.reducer.enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.enabled = previous
 
     @property
     def unsynced(self) -> bool:
         """True when local gradients from `no_sync` passes wait for a reduction."""
         return bool(self.reducer.unsynced)
-
-    def sync_gradients(self) -> None:
-        """Reduce now the gradients accumulated in `no_sync` passes (collective); `step()` does it when needed."""
-        self.reducer.sync_now()
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -415,7 +432,8 @@ class ZeroOptimizer(InnerOptimizerState, torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients: the shards (stages 2, 3) and the full `.grad` of the model's parameters."""
+        """Clear the gradients: the shards (stages 2, 3; with `set_to_none` their memory is released until the
+        next backward reduces into them) and the full `.grad` of the model's parameters."""
         for p in self.model.module.parameters():
             if p.grad is None:
                 continue
@@ -424,7 +442,10 @@ class ZeroOptimizer(InnerOptimizerState, torch.optim.Optimizer):
             else:
                 p.grad.zero_()
         for buffers in self.model.shards:
-            if buffers.grad_flat is not None:
+            if set_to_none:
+                buffers.release_grad()
+            elif buffers.has_grad:
+                assert buffers.grad_flat is not None
                 buffers.grad_flat.zero_()
                 buffers.grad_fresh = True
 
@@ -558,11 +579,11 @@ def _piece_grads(model: ZeroModel) -> list[tuple[str, nn.Parameter, Optional[tor
     """(parameter name, piece parameter, its reduced gradient, a view where possible) for every piece here."""
     out: list[tuple[str, nn.Parameter, Optional[torch.Tensor]]] = []
     for buffers in model.shards:
-        used = buffers.used.tolist() if buffers.used is not None else []
+        used = buffers.used.tolist() if buffers.has_grad and buffers.used is not None else []
         for piece, param in zip(buffers.pieces, buffers.piece_params):
             grad: Optional[torch.Tensor]
             if buffers.grad is not None:  # stages 2 and 3: the reduced shard, if some rank had a gradient
-                used_here = used[piece.index] > 0
+                used_here = bool(used) and used[piece.index] > 0
                 grad = buffers.grad[piece.shard_offset : piece.shard_offset + piece.numel] if used_here else None
             else:  # stage 1: this rank's part of the averaged full gradient
                 full = buffers.params[piece.index].grad
