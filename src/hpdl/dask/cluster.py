@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any, Callable, Optional, TypeVar
 
+import hpdl.settings as settings
+
 __all__ = ["ClusterOptions", "initialize", "run_cluster"]
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ async def _scheduler(options: ClusterOptions, scheduler_file: Optional[str]) -> 
     world = _world()
     protocols = [options.protocol] + (["tcp"] if scheduler_file and options.protocol != "tcp" else [])
     # a scheduler file is for clients outside the job, maybe on another machine: its tcp:// listener is not loopback
-    tcp_host = os.environ.get("HPDL_BIND_ADDR") if scheduler_file else options.tcp_host
+    tcp_host = settings.text("HPDL_BIND_ADDR") if scheduler_file else options.tcp_host
     hosts = [tcp_host if protocol == "tcp" else None for protocol in protocols]
     # the HTTP server runs even without the dashboard: then on a free loopback port (no one needs to reach it)
     kwargs: dict[str, Any] = {

@@ -15,10 +15,22 @@ connection yet (like a socket's receive buffer), so a sender never waits on
 its reader and closing never leaves a send hanging. CLOSE is answered by
 CLOSE; a side that has closed discards what still arrives for it.
 
+A message reaches its reader in one wake-up, as over TCP: the sender's event
+loop sends it (MPI_Isend, then it rings the receiver's doorbell, see
+`hpdl.dask.doorbell`), and the receiver's event loop, woken by the doorbell,
+receives it (matched probe and receive) and hands it to the connection. The
+progress thread (`hpdl.dask.progress`) completes what needs MPI to progress
+meanwhile (large frames) and polls for what no doorbell announced. CONNECT
+and ACCEPT carry each side's doorbell address. Every step that calls MPI
+holds the progress thread's lock, whichever thread takes it: a probe and the
+receives of the frames that follow its header are one step, so no other
+thread can match a frame as a header. That needs MPI_THREAD_MULTIPLE; with
+MPI_THREAD_SERIALIZED the loops hand every step to the progress thread.
+
 If the progress thread dies (an MPI error), every pending connect, send and
 read fails with `TransportFailed` at once instead of waiting forever.
 
-Only `Hub` touches MPI, and only from its progress thread.
+Only `Hub` touches MPI.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -38,6 +51,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from hpdl.dask import frames as wire
+from hpdl.dask.doorbell import BellAddress, Doorbell
 from hpdl.dask.progress import Progress
 from hpdl.errors import HpdlError
 
@@ -45,6 +59,14 @@ __all__ = ["Channel", "Hub", "MPITransportError", "TransportFailed", "get_hub", 
 
 logger = logging.getLogger(__name__)
 Frames = list[memoryview]
+FRAMES_SPIN = 2e-3
+"""Seconds a rung loop keeps completing the frames of the messages it found (a copy inside MPI, like a socket
+read: MiBs in this time); larger ones are left to the progress thread (one more wake-up when they complete)."""
+FALLBACK_POLL = 10e-3
+"""While a loop waits on the doorbell, the progress thread probes for unannounced messages after this many seconds
+without a ring (a CONNECT from a rank that does not know this one yet waits that long at most)."""
+RETRY_SECONDS = 5e-3
+"""How long a loop keeps looking, at each of its turns, for a message whose ring came first (over a network)."""
 EOF = None
 """What a channel's inbox yields after the last message of a closed connection."""
 
@@ -90,6 +112,23 @@ class Inbox:
     peer_closed: bool = False
     failed: Optional[BaseException] = None
     """Set when the transport has died: reads after the last received message raise it."""
+    handed: int = 0
+    """Messages queued to the loop by `deliver` (counted under the hub's lock)..."""
+    taken: int = 0
+    """... and how many of them the loop has run (counted on the loop): equal, none is pending."""
+
+    def deliver(self, message: Optional[Frames]) -> None:  # any thread, under the hub's lock
+        """Hand a message to the reader: at once on the loop's own thread when nothing handed over earlier is still
+        queued (a turn of the loop less per message), else queued behind what is (the order stays)."""
+        if self.handed == self.taken and asyncio._get_running_loop() is self.loop:
+            self.put(message)
+            return
+        self.handed += 1
+        _call(self.loop, functools.partial(self._put_queued, message))
+
+    def _put_queued(self, message: Optional[Frames]) -> None:
+        self.taken += 1
+        self.put(message)
 
     def put(self, message: Optional[Frames]) -> None:  # on the loop
         if message is EOF:
@@ -190,8 +229,25 @@ class Hub:
         self._arriving: set[Channel] = set()
         """Channels with messages not yet delivered."""
         self._status = MPI.Status()
+        self.direct = level >= MPI.THREAD_MULTIPLE
+        """Whether event loops call MPI themselves (under the lock); else every step runs on the progress thread."""
+        self.doorbell = Doorbell()
+        self._bells: dict[int, BellAddress] = {}
+        """rank -> its doorbell, learnt at connection set-up."""
+        self._bell_loop: Optional[asyncio.AbstractEventLoop] = None
         self.progress = Progress(failure=_transport_failed)
-        self.progress.add_poller(self._poll)
+        self.lock = self.progress.lock
+        self.progress.in_flight = lambda: bool(self._arriving) or (self._retry_until == 0.0 and self._owed())
+        self._next_poll = 0.0
+        self._retry_until = 0.0
+        self._rung = 0.0
+        self._sent: dict[int, int] = {}
+        """rank -> messages sent to it that it probes for (the count each ring carries)."""
+        self._received: dict[int, int] = {}
+        """rank -> messages received from it by a probe..."""
+        self._announced: dict[int, int] = {}
+        """... and how many its rings said it had sent: more than received, one is still on its way."""
+        self.progress.add_poller(self._background_poll)
         self.progress.add_failure_handler(self._on_failure)
 
     # ---------------------------------------------------------------- addresses
@@ -225,6 +281,7 @@ class Hub:
             self._listeners[name] = ListenerEntry(loop, on_channel)
             return name
 
+        self._attach_doorbell(loop)
         return self.progress.call(op)
 
     def unlisten(self, ident: str) -> None:
@@ -237,6 +294,7 @@ class Hub:
     async def connect(self, rank: int, ident: str) -> Channel:
         """Open a connection to listener `ident` on `rank`; ConnectionRefusedError if there is none (yet)."""
         loop = asyncio.get_running_loop()
+        self._attach_doorbell(loop)
         future: asyncio.Future[Channel] = loop.create_future()
         self.progress.submit(
             functools.partial(_guarded, loop, future, self._start_connect, rank, ident, loop, future),
@@ -245,19 +303,105 @@ class Hub:
         return await future
 
     def send(self, channel: Channel, views: Frames, loop: asyncio.AbstractEventLoop) -> asyncio.Future[int]:
-        """Send one message (its frames); the future is done once MPI has every buffer (they may be reused)."""
+        """Send one message (its frames); the future is done once MPI has every buffer (they may be reused).
+
+        On this thread, now: an inline message is copied and usually complete before this returns."""
         future: asyncio.Future[int] = loop.create_future()
-        self.progress.submit(
-            functools.partial(_guarded, loop, future, self._send, channel, views, loop, future),
-            on_error=functools.partial(_reject, loop, future),
-        )
+        if not self.direct:
+            self.progress.submit(
+                functools.partial(_guarded, loop, future, self._send, channel, views, loop, future),
+                on_error=functools.partial(_reject, loop, future),
+            )
+            return future
+        with self.lock:
+            if self.progress.error is not None:
+                raise self.progress.failure(self.progress.error)
+            self.progress.test_groups()  # earlier sends progress too (the progress thread may wait for the GIL)
+            self._send(channel, views, loop, future)
         return future
 
     def close(self, channel: Channel) -> None:
         try:
-            self.progress.submit(lambda: self._close(channel))
+            if self.direct and self.progress.error is None:
+                with self.lock:
+                    self._close(channel)
+            else:
+                self.progress.submit(lambda: self._close(channel))
         except TransportFailed:  # the transport is gone, and the connection with it
             pass
+
+    # ---------------------------------------------------------------- the doorbell (event loop)
+    def _attach_doorbell(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait on the doorbell in `loop` (the first loop that listens or connects; again after it has closed)."""
+        current = self._bell_loop
+        if current is loop or (current is not None and not current.is_closed()):
+            return
+        self._bell_loop = loop
+        for fd in self.doorbell.filenos():
+            loop.add_reader(fd, self._on_doorbell)
+
+    def _on_doorbell(self) -> None:
+        """A peer has sent this process something: receive it now, in this loop's thread."""
+        for rank, sent in self.doorbell.drain().items():
+            if sent > self._announced.get(rank, 0):
+                self._announced[rank] = sent
+        if not self.direct or self.progress.error is not None:
+            self.progress.kick()
+            return
+        self._rung = time.monotonic()
+        self._receive_now()
+        if self._owed() and self._retry_until <= self._rung:
+            # rung before MPI showed a message (queued sends on shared memory, a network): look again at each
+            # turn of the loop for a while
+            self._retry_until = self._rung + RETRY_SECONDS
+            asyncio.get_running_loop().call_soon(self._retry)
+
+    def _receive_now(self) -> bool:
+        """Receive what has arrived and complete its frames for up to FRAMES_SPIN; whether anything was found."""
+        with self.lock:
+            if self.progress.error is not None:
+                return True
+            self.progress.test_groups()
+            found = self._poll_locked()
+            deadline = time.perf_counter() + FRAMES_SPIN
+            while found and self._arriving and time.perf_counter() < deadline:
+                self._complete()
+            if self._arriving:
+                self.progress.kick()  # large frames still arriving: the progress thread completes them
+            return found
+
+    def _retry(self) -> None:
+        """While a ring announced more messages than have shown up: probe again at each turn of the loop, for at
+        most RETRY_SECONDS (then the progress thread's poll finds them)."""
+        self._receive_now()
+        if not self._owed():
+            self._retry_until = 0.0
+        elif time.monotonic() < self._retry_until:
+            asyncio.get_running_loop().call_soon(self._retry)
+        else:
+            self._retry_until = 0.0
+            self.progress.kick()
+
+    def _owed(self) -> bool:
+        """Whether a ring announced a message that no probe has received yet."""
+        received = self._received
+        return any(sent > received.get(rank, 0) for rank, sent in self._announced.items())
+
+    def _background_poll(self) -> bool:
+        """The progress thread's poll: frames in flight at every tick; new messages, while a loop waits on the
+        doorbell (which announces them), only when no ring came for a poll interval, once per interval (a CONNECT
+        from a rank that does not know this one yet, a lost datagram). Probing more often would take messages from
+        the loop: one more wake-up each."""
+        with self.lock:
+            busy = self._complete() if self._arriving else False
+            now = time.monotonic()
+            loop = self._bell_loop
+            if loop is not None and loop.is_running() and not (self._retry_until == 0.0 and self._owed()):
+                interval = max(self.progress.backoff.cap, FALLBACK_POLL)
+                if now < self._next_poll or now - self._rung < interval:
+                    return busy
+                self._next_poll = now + interval
+            return self._poll_locked() or busy
 
     async def wait_request(self, start: Callable[[], Any]) -> None:
         """Start a non-blocking MPI operation on the progress thread (e.g. `lambda: comm.Ibarrier()`) and await it.
@@ -279,9 +423,24 @@ class Hub:
     def _isend(self, buffer: Any, dest: int) -> Any:
         return self.comm.Isend([buffer, self.MPI.BYTE], dest=dest, tag=self.tag)
 
+    def _ring(self, dest: int, sent: int) -> None:
+        bell = self._bells.get(dest)
+        if bell is not None:
+            self.doorbell.ring(bell, self.rank, sent)
+
+    def _isend_rung(self, buffer: Any, dest: int) -> Any:
+        """Send a message that the receiver probes for (a header, an inline message, a control message), counted,
+        and ring `dest` with the count."""
+        request = self._isend(buffer, dest)
+        sent = self._sent[dest] = self._sent.get(dest, 0) + 1
+        self._ring(dest, sent)
+        return request
+
     def _control(self, dest: int, header: np.ndarray) -> None:
-        request = self._isend(header, dest)
-        self.progress.watch([request], _nothing, keep=header)
+        request = self._isend_rung(header, dest)
+        if not request.Test():
+            self.progress.watch([request], _nothing, keep=header)
+            self.progress.kick()
 
     def _start_connect(
         self, rank: int, ident: str, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Channel]
@@ -293,27 +452,45 @@ class Hub:
             return
         cid = next(self._cids)
         self._connecting[cid] = (loop, future)
-        self._control(rank, wire.pack_header(wire.Kind.CONNECT, cid, 1, listener))
+        with self.lock:
+            self._control(rank, wire.pack_header(wire.Kind.CONNECT, cid, 1, listener, *self.doorbell.address.words()))
 
-    def _send(self, channel: Channel, views: Frames, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+    def _send(
+        self, channel: Channel, views: Frames, loop: asyncio.AbstractEventLoop, future: asyncio.Future
+    ) -> Optional[list[Any]]:
+        """Start sending; the requests the caller may test while the future is not done (else None)."""
         if channel.local_closed or channel.peer_closed:
             from distributed.comm.core import CommClosedError
 
             _resolve(loop, future, error=CommClosedError(f"mpi:// connection to rank {channel.peer} is closed"))
-            return
+            return None
         total = sum(v.nbytes for v in views)
         if total <= self.inline:
             buffers: list[Any] = [wire.pack_inline(channel.cid, channel.side, views)]
         else:
             header = wire.pack_header(wire.Kind.DATA, channel.cid, channel.side, len(views), *(v.nbytes for v in views))
             buffers = [header] + [v[a:b] for v in views for a, b in wire.chunks(v.nbytes, self.chunk)]
-        requests = [self._isend(b, channel.peer) for b in buffers]
+        requests = [self._isend_rung(buffers[0], channel.peer)] + [self._isend(b, channel.peer) for b in buffers[1:]]
+        done = self.MPI.Request.Testall(requests)
+        if done or total <= self.inline:
+            # MPI holds the bytes already, or the one buffer is this transport's own copy: the caller's frames are
+            # free at once (like a socket's send buffer); the copy stays referenced until MPI has sent it
+            if not done:
+                self.progress.watch(requests, _nothing, keep=buffers)
+                self.progress.kick()
+            if asyncio._get_running_loop() is loop:
+                future.set_result(total)  # awaited without a turn of the loop
+            else:
+                _resolve(loop, future, total)
+            return None
         self.progress.watch(
             requests,
             functools.partial(_resolve, loop, future, total),
             keep=buffers,
             on_error=functools.partial(_reject, loop, future),
         )
+        self.progress.kick()
+        return requests
 
     def _close(self, channel: Channel) -> None:
         if channel.local_closed:
@@ -325,16 +502,28 @@ class Hub:
 
     def _poll(self) -> bool:
         """Receive every message that has arrived; deliver completed ones in each connection's order."""
+        with self.lock:
+            return self._poll_locked()
+
+    def _poll_locked(self) -> bool:
         busy = False
-        while True:
+        misses = 0
+        while misses < 2:  # MPI shows a message that has just arrived at the probe after the one that progressed
             message = self.comm.Improbe(self.MPI.ANY_SOURCE, self.tag, self._status)
             if message is None:
-                break
+                misses += 1
+                continue
             busy = True
             source = self._status.Get_source()
+            self._received[source] = self._received.get(source, 0) + 1
             buffer = np.empty(self._status.Get_count(self.MPI.BYTE), dtype=np.uint8)
             message.Recv([buffer, self.MPI.BYTE])
             self._handle(source, buffer)
+        return self._complete() or busy
+
+    def _complete(self) -> bool:
+        """Deliver every message whose frames have all arrived, in each connection's order."""
+        busy = False
         for channel in list(self._arriving):
             busy = self._deliver(channel) or busy
             if not channel.receiving:
@@ -349,12 +538,15 @@ class Hub:
         kind, cid, side, payload, inline = wire.unpack(buffer)
         K = wire.Kind
         if kind == K.CONNECT:
+            self._learn_doorbell(source, payload[1:])
             self._accept(source, cid, str(payload[0]))
             return
         if kind in (K.ACCEPT, K.REFUSE):
             loop, future = self._connecting.pop(cid, (None, None))
             if loop is None or future is None:
                 return
+            if kind == K.ACCEPT:
+                self._learn_doorbell(source, payload)
             if kind == K.REFUSE:
                 error = ConnectionRefusedError(f"no mpi:// listener at mpi://{source}:{payload[0]}")
                 _resolve(loop, future, error=error)
@@ -400,8 +592,12 @@ class Hub:
         channel = Channel(source, cid, False)
         channel.inbox = Inbox(entry.loop)
         self._channels[channel.key] = channel
-        self._control(source, wire.pack_header(wire.Kind.ACCEPT, cid, 0))
+        self._control(source, wire.pack_header(wire.Kind.ACCEPT, cid, 0, *self.doorbell.address.words()))
         _call(entry.loop, functools.partial(entry.on_channel, channel))
+
+    def _learn_doorbell(self, rank: int, words: list[int]) -> None:
+        if len(words) >= 3 and rank != self.rank:
+            self._bells[rank] = BellAddress(*words[:3])
 
     def _deliver(self, channel: Channel) -> bool:
         busy = False
@@ -418,10 +614,10 @@ class Hub:
                 if not channel.local_closed:
                     self._close(channel)
                 self._channels.pop(channel.key, None)
-                _call(inbox.loop, functools.partial(inbox.put, EOF))
+                inbox.deliver(EOF)
                 break
             if not channel.local_closed:
-                _call(inbox.loop, functools.partial(inbox.put, views))
+                inbox.deliver(views)
         return busy
 
     def _on_failure(self, failure: BaseException) -> None:
@@ -438,6 +634,11 @@ class Hub:
         """Stop the progress thread; if it is stuck inside MPI (a collective that never completes), abort the job:
         finalising MPI under a thread that is still in a call would crash instead of reporting."""
         self.progress.stop(timeout=10.0)
+        loop = self._bell_loop
+        if loop is not None and not loop.is_closed():
+            _call(loop, self._detach_doorbell)
+        else:
+            self.doorbell.close()
         if self.progress.thread.is_alive():
             frame = sys._current_frames().get(self.progress.thread.ident or -1)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
@@ -449,12 +650,18 @@ class Hub:
             )
             self.comm.Abort(1)
 
+    def _detach_doorbell(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self.doorbell.filenos():
+            loop.remove_reader(fd)
+        self.doorbell.close()
+
 
 def _nothing() -> None:
     pass
 
 
-def _guarded(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable[..., None], *args: Any) -> None:
+def _guarded(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable[..., Any], *args: Any) -> None:
     """Run an operation on the progress thread; an error (an MPI error, say) fails its future, not the thread."""
     try:
         fn(*args)
@@ -467,8 +674,12 @@ def _reject(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Base
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> None:
+    """Run `fn` on `loop` soon, in order with everything else handed to it (no self-pipe write from its own thread)."""
     try:
-        loop.call_soon_threadsafe(fn)
+        if asyncio._get_running_loop() is loop:
+            loop.call_soon(fn)
+        else:
+            loop.call_soon_threadsafe(fn)
     except RuntimeError:  # the loop has closed: nobody waits any more
         pass
 

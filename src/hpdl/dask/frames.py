@@ -13,10 +13,11 @@ messages are copied.
 from __future__ import annotations
 
 import enum
-import os
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+import hpdl.settings as settings
 
 __all__ = [
     "INT_MAX",
@@ -50,18 +51,12 @@ class Kind(enum.IntEnum):
 
 def chunk_bytes() -> int:
     """Bytes per MPI message of a large frame (HPDL_DASK_MPI_CHUNK, default and maximum 2**31-1)."""
-    value = int(os.environ.get("HPDL_DASK_MPI_CHUNK", INT_MAX))
-    if not 1 <= value <= INT_MAX:
-        raise ValueError(f"HPDL_DASK_MPI_CHUNK={value}: must be between 1 and {INT_MAX}")
-    return value
+    return settings.number("HPDL_DASK_MPI_CHUNK")  # the registry's bounds: 1 to INT_MAX
 
 
 def inline_limit() -> int:
-    """Messages with at most this many frame bytes travel as one MPI message (HPDL_DASK_MPI_INLINE, 64 KiB)."""
-    value = int(os.environ.get("HPDL_DASK_MPI_INLINE", 64 * 1024))
-    if value < 0:
-        raise ValueError(f"HPDL_DASK_MPI_INLINE={value}: must be >= 0")
-    return value
+    """Messages with at most this many frame bytes travel as one MPI message (HPDL_DASK_MPI_INLINE, 256 KiB)."""
+    return settings.number("HPDL_DASK_MPI_INLINE")
 
 
 def chunks(nbytes: int, limit: int) -> Iterator[tuple[int, int]]:

@@ -1,22 +1,25 @@
-"""Drive non-blocking MPI requests without blocking any event loop and without spinning a core when idle.
+"""Drive non-blocking MPI requests in the background, without spinning a core when idle.
 
-MPI offers no file descriptor that an event loop could wait on, and asyncio
-cannot sleep for less than a millisecond (epoll's timeout resolution); a Dask
-process also runs several event loops (the client's loop thread beside the
-main one). So one daemon thread per process, the only thread that calls MPI
-for the transport, runs the transport's operations, tests the outstanding
-requests and probes for incoming messages. Event loops hand it work through
-`submit` (a queue plus an event that wakes it at once) and get results back
-with `loop.call_soon_threadsafe`, which wakes a sleeping loop immediately.
+MPI offers no file descriptor that an event loop could wait on. The
+transport's event loops therefore do the latency-critical MPI calls
+themselves (send, and receive when their doorbell rings: see
+`hpdl.dask.doorbell`), and this one daemon thread per process does the rest:
+it completes requests that need MPI to progress (large frames in flight:
+MPICH moves large shared-memory messages only inside MPI calls), runs queued
+operations (connect, listen, collectives of the cluster's start) and polls
+for what no doorbell announced (a CONNECT from a peer that does not know
+this process yet, a lost datagram). Every MPI call of the transport runs
+under `lock` (one matched probe and the receives it implies are one step,
+whichever thread takes it), so MPI must provide MPI_THREAD_MULTIPLE.
 
-After any activity the thread keeps polling for `spin` (200 us: a reply
-often follows within that), then sleeps with exponential back-off (from
-`first` to `cap`, HPDL_DASK_POLL_MAX_US, default 1000 us), reset on any
-activity; while requests are in flight it keeps polling without sleeping
-(MPICH moves large shared-memory messages only inside MPI calls) for at most
-`hot` seconds since the last completion. Idle, that is at most one wake-up
-per millisecond: no core spins. Needs MPI_THREAD_SERIALIZED at least (every MPI call of
-the transport comes from this one thread).
+Event loops hand it work through `submit` (a queue plus an event that wakes
+it at once) or `kick` (requests started on a loop that need progress) and
+get results back with `loop.call_soon_threadsafe`. While requests are in
+flight it polls without sleeping for at most `hot` seconds since the last
+completion; after its own activity it keeps polling for `spin`; then it
+sleeps with exponential back-off (from `first` to `cap`,
+HPDL_DASK_POLL_MAX_US, default 1000 us), reset on any activity. Idle, that
+is at most one wake-up per millisecond: no core spins.
 
 If the thread itself fails (an MPI error, a bug), nothing may wait for it in
 vain: every watched group and every queued operation that was given an
@@ -27,13 +30,14 @@ fails its pending connects and its readers), and later `submit`s raise.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
+
+import hpdl.settings as settings
 
 __all__ = ["Backoff", "Progress"]
 
@@ -56,9 +60,9 @@ class Backoff:
     first: float = 10e-6
     cap: float = 1e-3
     hot: float = 0.05
-    """Seconds to keep polling without sleeping while requests are in flight and nothing completes."""
-    spin: float = 200e-6
-    """Seconds to keep polling without sleeping after any activity (a reply often follows within this)."""
+    """Seconds to keep polling every `first` seconds while requests are in flight and nothing completes."""
+    spin: float = 0.0
+    """Seconds to keep polling without sleeping after any activity (what follows at once, e.g. a frame's chunks)."""
     delay: float = 0.0
     last_activity: float = 0.0
 
@@ -74,17 +78,26 @@ class Backoff:
     def next_delay(self, in_flight: bool) -> float:
         """How long to sleep after an idle poll."""
         quiet = time.monotonic() - self.last_activity
-        if quiet < self.spin or (in_flight and quiet < self.hot):
+        if quiet < self.spin:
             return 0.0
+        if in_flight and quiet < self.hot:  # short sleeps, not a spin: a spinning thread steals a core of 2
+            return self.first
         self.delay = min(self.cap, max(self.first, self.delay * 2))
         return self.delay
 
 
 def poll_cap() -> float:
-    value = float(os.environ.get("HPDL_DASK_POLL_MAX_US", 1000))
-    if not 10 <= value <= 1_000_000:
-        raise ValueError(f"HPDL_DASK_POLL_MAX_US={value}: must be between 10 and 1000000 (microseconds)")
-    return value * 1e-6
+    return settings.number("HPDL_DASK_POLL_MAX_US") * 1e-6  # the registry's bounds: 10 to 1000000 us
+
+
+def _fine_timer() -> None:
+    """Let this thread's short sleeps last what they ask (Linux adds up to 50 us of timer slack to each)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
+    except (OSError, AttributeError):  # not Linux: the default slack
+        pass
 
 
 class Progress:
@@ -96,7 +109,8 @@ class Progress:
         backoff: Optional[Backoff] = None,
         failure: Callable[[BaseException], BaseException] = _thread_failed,
     ) -> None:
-        self.backoff = backoff or Backoff(cap=poll_cap())
+        cap = poll_cap()
+        self.backoff = backoff or Backoff(first=min(Backoff.first, cap), cap=cap)
         self.failure = failure
         """Makes the exception that waiters get from the error that ended the thread."""
         self._ops: queue.SimpleQueue[tuple[Callable[[], Any], Optional[OnError]]] = queue.SimpleQueue()
@@ -106,6 +120,10 @@ class Progress:
         self._failure_handlers: list[OnError] = []
         self._lock = threading.Lock()
         """Orders `submit` against the failure: an operation is either run or failed, never dropped."""
+        self.lock = threading.RLock()
+        """Held by every step that calls MPI for the transport or touches the watched groups (any thread)."""
+        self.in_flight: Callable[[], bool] = lambda: False
+        """Whether the owner has requests in flight besides the watched groups (keeps the thread polling hot)."""
         self._stopping = False
         self.drain_seconds = 2.0
         """At stop, how long queued operations and in-flight sends may still take."""
@@ -140,6 +158,11 @@ class Progress:
         self.submit(op, on_error=future.set_exception)
         return future.result(timeout=timeout)
 
+    def kick(self) -> None:
+        """Requests were started elsewhere that need MPI to progress: poll hot now (any thread)."""
+        self.backoff.activity()
+        self._wake.set()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._wake.set()
@@ -150,15 +173,38 @@ class Progress:
     def running(self) -> bool:
         return self.thread.is_alive() and not self._stopping
 
-    # ---------------------------------------------------------------- progress thread only
     def watch(
         self, requests: list[Any], on_done: Callable[[], None], keep: Any = None, on_error: Optional[OnError] = None
     ) -> None:
-        """Call `on_done()` (on this thread) once every request of the group has completed.
+        """Call `on_done()` (on this thread) once every request of the group has completed (any thread).
 
         `keep` (the requests' buffers) stays referenced until then: MPI reads and writes them meanwhile.
-        `on_error` is called instead if the thread dies first."""
-        self._groups.append((requests, on_done, keep, on_error))
+        `on_error` is called instead if the thread dies first; once it has died, `watch` raises `failure(error)`."""
+        with self.lock:
+            if self.error is not None:
+                raise self.failure(self.error)
+            self._groups.append((requests, on_done, keep, on_error))
+
+    # ---------------------------------------------------------------- progress thread only
+
+    def test_groups(self) -> bool:
+        """Test every watched group, run `on_done` of those complete; whether any was (any thread: an event loop
+        that sends drives MPI's progress of earlier sends too, when this thread waits for the GIL)."""
+        with self.lock:
+            if not self._groups:
+                return False
+            from mpi4py import MPI
+
+            testall = MPI.Request.Testall
+            pending, busy = [], False
+            for group in self._groups:
+                if testall(group[0]):
+                    group[1]()
+                    busy = True
+                else:
+                    pending.append(group)
+            self._groups = pending
+            return busy
 
     def add_poller(self, poll: Callable[[], bool]) -> None:
         """`poll()` runs every tick and says whether it found work."""
@@ -169,7 +215,7 @@ class Progress:
         self._failure_handlers.append(handler)
 
     def _run(self) -> None:
-        testall: Any = None  # mpi4py is imported with the first request (importing it initialises MPI)
+        _fine_timer()  # mpi4py is imported with the first request (importing it initialises MPI)
         drain_until: Optional[float] = None
         try:
             while True:
@@ -188,22 +234,11 @@ class Progress:
                 for poll in self._pollers:
                     busy = poll() or busy
                 if self._groups:
-                    if testall is None:
-                        from mpi4py import MPI
-
-                        testall = MPI.Request.Testall
-                    pending = []
-                    for group in self._groups:
-                        if testall(group[0]):
-                            group[1]()
-                            busy = True
-                        else:
-                            pending.append(group)
-                    self._groups = pending
+                    busy = self.test_groups() or busy
                 if busy:
                     self.backoff.activity()
                     continue
-                delay = self.backoff.next_delay(bool(self._groups))
+                delay = self.backoff.next_delay(bool(self._groups) or self.in_flight())
                 if delay:
                     self._wake.wait(delay)
                     self._wake.clear()
@@ -223,8 +258,9 @@ class Progress:
                     queued.append(self._ops.get_nowait()[1])
                 except queue.Empty:
                     break
-        waiters = [group[3] for group in self._groups] + queued + self._failure_handlers
-        self._groups = []
+        with self.lock:
+            groups, self._groups = self._groups, []
+        waiters = [group[3] for group in groups] + queued + self._failure_handlers
         for on_error in waiters:
             if on_error is None:
                 continue
