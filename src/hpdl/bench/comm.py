@@ -28,11 +28,22 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+import hpdl.settings as settings
 from hpdl.bench import report
+from hpdl.bench.arguments import positive
 
 __all__ = ["launch", "main", "COLUMNS", "OPS", "SHM_OPS"]
 
-from hpdl.bench.comm_report import debug_table, fusion_table, header_lines, loop_table, op_tables, plot, targets
+from hpdl.bench.comm_report import (
+    debug_table,
+    fusion_table,
+    header_lines,
+    loop_table,
+    op_tables,
+    plot,
+    root_table,
+    targets,
+)
 from hpdl.bench.comm_spec import (
     COLUMNS,
     COPY_FROM,
@@ -47,6 +58,8 @@ from hpdl.bench.comm_spec import (
     MIB,
     OPS,
     QUICK_SIZES,
+    ROOT_CALLS,
+    ROOT_UP_TO,
     SEPARATE_TENSORS,
     SHM_OPS,
     SIZE_MEANING,
@@ -96,32 +109,19 @@ def _size(text: str) -> int:
     return value
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-
-    return convert
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpdl bench comm",
         description="Latency and bandwidth of hpdl-mpi and hpdl-torch beside raw mpi4py and torch.distributed "
         "(gloo), alternating per repetition in one launch.",
     )
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="MPI processes (default 2)")
+    parser.add_argument("-n", "--ranks", type=positive(int), default=2, help="MPI processes (default 2)")
     parser.add_argument("--quick", action="store_true", help="a few sizes up to 1 MiB, few repetitions (seconds)")
     parser.add_argument("--out", default="bench-results/comm", help="output folder (default bench-results/comm)")
     parser.add_argument("--sizes", nargs="+", type=_size, help="message sizes, e.g. 4 64K 1M (default 4 B .. 64 MiB)")
-    parser.add_argument("--iters", type=_positive(int), help="most timed repetitions per column and size")
-    parser.add_argument("--budget", type=_positive(float), help="seconds of timing per (operation, size)")
-    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop the job after this many s")
+    parser.add_argument("--iters", type=positive(int), help="most timed repetitions per column and size")
+    parser.add_argument("--budget", type=positive(float), help="seconds of timing per (operation, size)")
+    parser.add_argument("--timeout", type=positive(float), default=1800.0, help="stop the job after this many s")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -486,6 +486,21 @@ def measure_loops(b: Bench) -> list[dict[str, Any]]:
     return records
 
 
+def measure_root(b: Bench) -> list[dict[str, Any]]:
+    """hpdl-mpi's and mpi4py's broadcast from rank 0, `ROOT_CALLS` back to back per repetition, timed on the root
+    alone (the columns alternate per repetition, as everywhere): what a call costs the rank that sends."""
+    records = []
+    calls = 10 if b.options.quick else ROOT_CALLS
+    for nbytes in [n for n in b.options.sizes if n <= ROOT_UP_TO]:
+        case = broadcast_case(b, nbytes)
+        columns = {name: _repeated(case.columns[name], calls) for name in ("hpdl-mpi", "mpi4py")}
+        samples, reps = b.alternate(columns, warmup=1, reduce="rank0")
+        for column, seconds in samples.items():
+            per_call = [s / calls for s in seconds]
+            records.append(_record("root", "broadcast", column, nbytes, per_call, reps, 1, b))
+    return records
+
+
 def _repeated(call: Column, times: int) -> Column:
     def run() -> None:
         for _ in range(times):
@@ -627,7 +642,9 @@ def _record(
         "elements": nbytes // ITEMSIZE,
         "reps": reps,
         "warmup": warmup,
-        "timing": "rank 0, half round trip" if pingpong else ("rank 0" if section == "copy" else "max over ranks"),
+        "timing": "rank 0, half round trip"
+        if pingpong
+        else ("rank 0" if section in ("copy", "root") else "max over ranks"),
         "median_us": stats["median"] * 1e6,
         "p10_us": stats["p10"] * 1e6,
         "p90_us": stats["p90"] * 1e6,
@@ -679,7 +696,7 @@ def configuration(b: Bench) -> dict[str, Any]:
         hpdl_torch_engine=b.gloo.engine,
         fusion_tensors=FUSION_TENSORS,
         fusion_tensor_bytes=FUSION_BYTES,
-        hpdl_fusion_mb=os.environ.get("HPDL_FUSION_MB", "64 (default)"),
+        hpdl_fusion_mb=f"{settings.number('HPDL_FUSION_MB'):g}",
         debug_sizes=list(DEBUG_SIZES),
         raw_torch_allgather=f"torch.distributed.{b.all_gather.__name__}",
         raw_torch_reduce_scatter=f"torch.distributed.{b.reduce_scatter.__name__}",
@@ -708,6 +725,8 @@ def write_report(b: Bench, records: list[dict[str, Any]], elapsed: float) -> Non
         "## Back-to-back calls (µs per call, median [p10, p90] over repetitions)\n\n"
         f"Each repetition: one barrier, then {10 if b.options.quick else LOOP_CALLS} calls in a row (OSU-style); "
         "the per-call cost without the barrier's exit skew that the tables above carry.\n\n" + loop_table(records),
+        f"## Broadcast, the root's time ({10 if b.options.quick else ROOT_CALLS} calls back to back from rank 0, µs "
+        "per call on rank 0, median [p10, p90] over repetitions)\n\n" + root_table(records),
         f"## Tensor fusion ({FUSION_TENSORS} tensors of {report.format_bytes(FUSION_BYTES)}, allreduce sum)\n\n"
         + fusion_table(records),
         "## Agreement check and debug mode (hpdl-mpi allreduce; the check runs every "
@@ -747,6 +766,7 @@ def worker(options: Options) -> int:
     # An exception here reaches hpdl's excepthook, which aborts every rank: no finalize on a broken job.
     records = measure_ops(bench)
     records += measure_loops(bench)
+    records += measure_root(bench)
     records += measure_copy(bench)
     records += measure_fusion(bench)
     records += measure_debug(bench)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive
+from hpdl.bench.arguments import positive as _positive
 
 __all__ = ["launch", "main", "CONTENDERS", "TASKS"]
 

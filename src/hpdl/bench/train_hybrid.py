@@ -32,13 +32,14 @@ import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive, run_worker
+from hpdl.bench import strategy_harness as harness
+from hpdl.bench.arguments import positive
+from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main", "LAYOUTS"]
 
@@ -59,97 +60,66 @@ TARGET_VS_TORCH = 1.0
 LR = 1e-3
 
 
-@dataclass(frozen=True)
-class Options:
-    """One run; every field goes into the header and the JSON records."""
-
-    ranks: int = 4
-    quick: bool = False
-    out: str = "bench-results/train-hybrid"
-    rounds: int = 5
-    steps: int = 5
-    batch: int = 16
-    """Global batch (sequences) per step."""
-    n_layer: int = 4
-    n_embd: int = 256
-    block: int = 128
-    layouts: tuple[str, ...] = tuple(LAYOUTS)
-    part: str = "all"
-    timeout: float = 1800.0
-    worker: bool = False
-
-    def forwarded(self, part: str) -> list[str]:
-        args = ["--worker", "--part", part, "--out", os.path.abspath(self.out), "--rounds", str(self.rounds)]
-        args += ["--steps", str(self.steps), "--batch", str(self.batch), "--layers", str(self.n_layer)]
-        args += ["--embd", str(self.n_embd), "--block", str(self.block), "--layouts", *self.layouts]
-        return args + (["--quick"] if self.quick else [])
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hpdl bench train --strategy hybrid",
-        description="Every dp x pp x tp mesh of 4 ranks on a small GPT (samples/s, memory and communication volume "
-        "per rank beside the analytical volume), and tp=2 against torch.distributed.tensor.parallel on 2 ranks.",
-    )
-    parser.add_argument("--strategy", default="hybrid", choices=["hybrid"], help=argparse.SUPPRESS)
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=4, help="ranks of the mesh part (default 4)")
-    parser.add_argument("--quick", action="store_true", help="a tiny model, one round of one step (seconds)")
-    parser.add_argument("--out", default="bench-results/train-hybrid", help="output folder")
-    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 5)")
-    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
-    parser.add_argument("--batch", type=_positive(int), help="global batch of sequences (default 16)")
-    parser.add_argument("--layers", type=_positive(int), help="transformer blocks (default 4)")
-    parser.add_argument("--embd", type=_positive(int), help="hidden size (default 256)")
-    parser.add_argument("--block", type=_positive(int), help="sequence length (default 128)")
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=positive(int), help="global batch of sequences (default 16)")
+    parser.add_argument("--layers", type=positive(int), help="transformer blocks (default 4)")
+    parser.add_argument("--embd", type=positive(int), help="hidden size (default 256)")
+    parser.add_argument("--block", type=positive(int), help="sequence length (default 128)")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), help="meshes to run (default: all)")
     parser.add_argument("--part", choices=["all", "meshes", "torch-tp"], default="all", help="which part to run")
-    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="stop a part after this many s")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return parser
 
 
-def parse(argv: Sequence[str]) -> Options:
-    parser = build_parser()
-    ns = parser.parse_args(list(argv))
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     quick = bool(ns.quick)
-    options = Options(
-        ranks=ns.ranks,
-        quick=quick,
-        out=ns.out,
-        rounds=ns.rounds or (1 if quick else 5),
-        steps=ns.steps or (1 if quick else 5),
-        batch=ns.batch or (8 if quick else 16),
-        n_layer=ns.layers or (2 if quick else 4),
-        n_embd=ns.embd or (32 if quick else 256),
-        block=ns.block or (16 if quick else 128),
-        layouts=tuple(ns.layouts or LAYOUTS),
-        part=ns.part,
-        timeout=ns.timeout,
-        worker=bool(ns.worker),
-    )
-    if options.ranks != 4 and options.part != "torch-tp":
-        parser.error(f"-n {options.ranks}: the mesh part enumerates meshes of 4 ranks; use -n 4")
-    if options.n_embd % 4:
-        parser.error(f"--embd {options.n_embd} must be divisible by 4 (heads and tp=4)")
-    if options.batch % 4:
-        parser.error(f"--batch {options.batch} must be divisible by 4 (dp=4 and 4 micro-batches)")
-    return options
+    own = {
+        "batch": ns.batch or (8 if quick else 16),
+        "n_layer": ns.layers or (2 if quick else 4),
+        "n_embd": ns.embd or (32 if quick else 256),
+        "block": ns.block or (16 if quick else 128),
+        "layouts": tuple(ns.layouts or LAYOUTS),
+        "part": ns.part,
+    }
+    if ns.ranks != 4 and ns.part != "torch-tp":
+        parser.error(f"-n {ns.ranks}: the mesh part enumerates meshes of 4 ranks; use -n 4")
+    if own["n_embd"] % 4:
+        parser.error(f"--embd {own['n_embd']} must be divisible by 4 (heads and tp=4)")
+    if own["batch"] % 4:
+        parser.error(f"--batch {own['batch']} must be divisible by 4 (dp=4 and 4 micro-batches)")
+    return own
+
+
+BENCH = harness.Bench(
+    strategy="hybrid",
+    module="hpdl.bench.train_hybrid",
+    description="Every dp x pp x tp mesh of 4 ranks on a small GPT (samples/s, memory and communication volume "
+    "per rank beside the analytical volume), and tp=2 against torch.distributed.tensor.parallel on 2 ranks.",
+    out="bench-results/train-hybrid",
+    rounds=(5, 1),
+    steps=(5, 1),
+    ranks=4,
+    ranks_help="ranks of the mesh part",
+    quick_help="a tiny model, one round of one step (seconds)",
+    options=_options,
+    check=_check,
+)
+
+
+def parse(argv: list[str]) -> Options:
+    return harness.parse(BENCH, argv)
 
 
 def launch(argv: list[str]) -> int:
     """Run part 1 on 4 ranks, then part 2 on 2 ranks (each its own mpiexec); return the first failure's code."""
-    return report.launch_parsed(parse, argv, _run_parts)
+    return harness.launch(BENCH, argv, _run_parts)
 
 
 def _run_parts(options: Options) -> int:
-    name = "hpdl bench train --strategy hybrid"
-    module = "hpdl.bench.train_hybrid"
-    if options.part in ("all", "meshes"):
-        code = run_worker(name, module, 4, options.forwarded("meshes"), options.timeout)
-        if code:
-            return code
-    if options.part in ("all", "torch-tp"):
-        return run_worker(name, module, 2, options.forwarded("torch-tp"), options.timeout)
+    for part, ranks in (("meshes", 4), ("torch-tp", 2)):
+        if options.part in ("all", part):
+            forwarded = options.forwarded("--part", part)
+            code = report.run_worker(BENCH.prog, BENCH.module, ranks, forwarded, options.timeout)
+            if code:
+                return code
     return 0
 
 
@@ -375,41 +345,41 @@ def measure_layout(name: str, options: Options, world: Any, counter: VolumeCount
     }
 
 
-def run_meshes(options: Options) -> None:
-    import torch
+def run_meshes(options: Options) -> int:
+    def measure(ranks: Ranks) -> list[dict[str, Any]]:
+        counter = VolumeCounter()
+        counter.install()
+        records = []
+        for name in options.layouts:
+            records.append(measure_layout(name, options, ranks.mpi, counter))
+            if ranks.rank == 0:
+                print(f"  {name}: {records[-1]['samples_per_s']['median']:.1f} samples/s", flush=True)
+        return records
 
-    import hpdl
-
-    started = time.perf_counter()
-    torch.set_num_threads(1)
-    world = hpdl.init("mpi", timeout=600.0, debug=False)
-    counter = VolumeCounter()
-    counter.install()
-    if world.rank == 0:
-        print(f"hybrid meshes: {world.size} ranks, MPI {world.engine}; measuring {len(options.layouts)} meshes ...")
-    records = []
-    for name in options.layouts:
-        records.append(measure_layout(name, options, world, counter))
-        if world.rank == 0:
-            print(f"  {name}: {records[-1]['samples_per_s']['median']:.1f} samples/s", flush=True)
-    if world.rank == 0:
-        config = report.environment(
-            benchmark="train-hybrid",
+    def write(ranks: Ranks, records: list[dict[str, Any]], elapsed: float) -> None:
+        config = harness.config(
+            options,
+            ranks,
+            "train-hybrid",
             part="meshes",
-            quick=options.quick,
-            world_ranks=world.size,
-            rounds=options.rounds,
             steps=options.steps,
             model=f"GPT n_layer={options.n_layer} n_embd={options.n_embd} n_head=4 block={options.block} vocab=96",
             global_batch=options.batch,
             optimizer=f"AdamW(lr={LR})",
             dtype="float32",
-            mpi_engine=world.engine,
-            cpu_oversubscribed=(os.cpu_count() or 1) < world.size,
+            cpu_oversubscribed=(os.cpu_count() or 1) < ranks.size,
         )
-        write_meshes(options, records, config, time.perf_counter() - started)
-    world.barrier()
-    hpdl.finalize()
+        write_meshes(options, records, config, elapsed)
+
+    return harness.worker(
+        measure,
+        write,
+        gloo=False,
+        timeout=600.0,
+        announce=lambda r: (
+            f"hybrid meshes: {r.size} ranks, MPI {r.mpi.engine}; measuring {len(options.layouts)} meshes ..."
+        ),
+    )
 
 
 MESH_HEADERS = [
@@ -518,18 +488,39 @@ def torch_tp_model(config: Any, n_layer: int) -> Any:
     return parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
 
 
-def run_torch_tp(options: Options) -> None:
+def run_torch_tp(options: Options) -> int:
+    return harness.worker(
+        lambda ranks: measure_torch_tp(options, ranks),
+        lambda ranks, records, elapsed: write_torch_tp(options, records, torch_tp_config(options, ranks), elapsed),
+        timeout=600.0,
+    )
+
+
+def torch_tp_config(options: Options, ranks: Ranks) -> dict[str, Any]:
+    return harness.config(
+        options,
+        ranks,
+        "train-hybrid",
+        part="torch-tp",
+        steps=options.steps,
+        model=f"GPT n_layer={options.n_layer} n_embd={options.n_embd} n_head=4 block={options.block} vocab=96",
+        global_batch=options.batch,
+        optimizer=f"AdamW(lr={LR})",
+        torch_tp="ColwiseParallel/RowwiseParallel, RowwiseParallel embedding, loss_parallel cross-entropy",
+    )
+
+
+def measure_torch_tp(options: Options, ranks: Ranks) -> list[dict[str, Any]]:
+    """tp=2 with hpdl over MPI and gloo, torch's tensor parallelism and one process, alternating: the records."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
-    import hpdl
     from hpdl.models.gpt import GPT, lm_loss
     from hpdl.parallel.tensor import parallelize, vocab_parallel_cross_entropy
 
-    started = time.perf_counter()
-    mpi, gloo = report.worker_communicators(600.0)
+    mpi, gloo = ranks.mpi, ranks.gloo
     vocab = 96
     config = make_config(options, vocab)
     x, y = make_data(options, vocab)
@@ -599,48 +590,27 @@ def run_torch_tp(options: Options) -> None:
         if c["active"]:
             run(c, 1)
         c["sync"]()
-    times = np.zeros((len(contenders), options.rounds))
-    for r in range(options.rounds):
-        for i, c in enumerate(contenders.values()):
-            c["sync"]()
-            start = time.perf_counter()
-            if c["active"]:
-                run(c, options.steps)
-            times[i, r] = time.perf_counter() - start
-            c["sync"]()
-    t = torch.from_numpy(times)
-    mpi.allreduce(t, "max")
-    if mpi.rank == 0:
-        records = []
-        for i, (name, c) in enumerate(contenders.items()):
-            samples = [options.batch * options.steps / s for s in t[i].tolist()]
-            records.append(
-                {
-                    "contender": name,
-                    "ranks": 1 if name == "single" else 2,
-                    "samples_per_s": report.summarize(samples),
-                    "step_ms": float(np.median(t[i].numpy())) / options.steps * 1e3,
-                    "loss": c["loss"],
-                    "steps_trained": c["steps"],
-                }
-            )
-        config = report.environment(
-            benchmark="train-hybrid",
-            part="torch-tp",
-            quick=options.quick,
-            world_ranks=2,
-            rounds=options.rounds,
-            steps=options.steps,
-            model=f"GPT n_layer={options.n_layer} n_embd={options.n_embd} n_head=4 block={options.block} vocab=96",
-            global_batch=options.batch,
-            optimizer=f"AdamW(lr={LR})",
-            mpi_engine=mpi.engine,
-            gloo_engine=gloo.engine,
-            torch_tp="ColwiseParallel/RowwiseParallel, RowwiseParallel embedding, loss_parallel cross-entropy",
+    order = list(contenders.values())
+
+    def timed(i: int) -> None:
+        if order[i]["active"]:
+            run(order[i], options.steps)
+
+    times = harness.alternate(len(order), options.rounds, timed, lambda i: order[i]["sync"](), mpi)
+    records = []
+    for i, (name, c) in enumerate(contenders.items()):
+        samples = [options.batch * options.steps / s for s in times[i].tolist()]
+        records.append(
+            {
+                "contender": name,
+                "ranks": 1 if name == "single" else 2,
+                "samples_per_s": report.summarize(samples),
+                "step_ms": float(np.median(times[i])) / options.steps * 1e3,
+                "loss": c["loss"],
+                "steps_trained": c["steps"],
+            }
         )
-        write_torch_tp(options, records, config, time.perf_counter() - started)
-    mpi.barrier()
-    hpdl.finalize()
+    return records
 
 
 def write_torch_tp(options: Options, records: list[dict[str, Any]], config: dict[str, Any], elapsed: float) -> None:
@@ -664,13 +634,10 @@ def write_torch_tp(options: Options, records: list[dict[str, Any]], config: dict
                 r["loss"],
             ]
         )
-    verdicts = []
-    for name in ("hpdl-mpi", "hpdl-gloo"):
-        ratio = by[name]["vs_torch_tp"]
-        verdicts.append(
-            f"{report.verdict(ratio >= TARGET_VS_TORCH)} {name}: {ratio:.2f}x torch.distributed.tensor.parallel "
-            f"(target >= {TARGET_VS_TORCH}x)"
-        )
+    verdicts = [
+        harness.faster(f"{name}:", by[name]["vs_torch_tp"], "torch.distributed.tensor.parallel", TARGET_VS_TORCH)
+        for name in ("hpdl-mpi", "hpdl-gloo")
+    ]
     header = (
         f"tp=2 on 2 ranks: {config['model']}, batch {options.batch} (every tp rank sees the whole batch), "
         f"{options.rounds} rounds x {options.steps} steps, AdamW, float32, alternating contenders"
@@ -692,16 +659,12 @@ def write_torch_tp(options: Options, records: list[dict[str, Any]], config: dict
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`launch` by default; with --worker, `worker` (every rank)."""
-    return report.run_main(argv, parse, launch, worker)
+    return harness.main(BENCH, launch, worker, argv)
 
 
 def worker(options: Options) -> int:
     """The worker (every rank) of one part: the meshes on 4 ranks, or tp=2 against torch on 2."""
-    if options.part == "meshes":
-        run_meshes(options)
-    else:
-        run_torch_tp(options)
-    return 0
+    return run_meshes(options) if options.part == "meshes" else run_torch_tp(options)
 
 
 if __name__ == "__main__":

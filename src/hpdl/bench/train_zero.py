@@ -19,6 +19,12 @@ before the contender was built, sampled after every layer's forward, after
 backward and after the step; the peak is reported beside the ZeRO formula.
 The hpdl contenders use plain MPI (no shared-memory staging buffers) in that
 phase, so the count is model state only.
+
+A second part (its own launch on 4 ranks, after the first; `--part composed`)
+puts ZeRO-3 inside dp2 x pp2 and dp2 x tp2 beside ZeRO-2 in the same layout
+(train_zero_composed.py). It lives here, not in the hybrid bench, because it
+answers this bench's question (what ZeRO-3 costs and saves against its peers)
+with the same measurements: alternating rounds and the peak model state.
 """
 
 from __future__ import annotations
@@ -27,14 +33,16 @@ import argparse
 import gc
 import os
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from hpdl.bench import report
-from hpdl.bench.comm import _positive, run_worker
+from hpdl.bench import strategy_harness as harness
+from hpdl.bench import train_zero_composed as composed
+from hpdl.bench.arguments import positive
+from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main", "CONTENDERS"]
 
@@ -53,72 +61,70 @@ TARGETS = [
 """(contender, peer, what, ratio): samples/s at least ratio x the peer's; memory at most ratio x the peer's."""
 
 
-@dataclass(frozen=True)
-class Options:
-    ranks: int = 2
-    quick: bool = False
-    out: str = "bench-results/train-zero"
-    models: tuple[str, ...] = ("mlp50m", "mlp")
-    rounds: int = 7
-    steps: int = 5
-    warmup: int = 2
-    bucket_mb: float = 25.0
-    timeout: float = 3600.0
-    worker: bool = False
-    contenders: tuple[str, ...] = CONTENDERS
-
-    def forwarded(self) -> list[str]:
-        args = ["--strategy", "zero", "--worker", "--out", os.path.abspath(self.out), "-n", str(self.ranks)]
-        args += ["--rounds", str(self.rounds), "--steps", str(self.steps), "--bucket-mb", str(self.bucket_mb)]
-        args += ["--models", *self.models, "--contenders", *self.contenders]
-        return args + (["--quick"] if self.quick else [])
-
-
-def parse(argv: Sequence[str]) -> Options:
-    parser = argparse.ArgumentParser(
-        prog="hpdl bench train --strategy zero",
-        description="Samples/s and per-rank model-state memory of hpdl ZeRO stages 1/2/3 (MPI, gloo) beside "
-        "FSDP2, ZeroRedundancyOptimizer, DeepSpeed and DataParallel, alternating in one launch.",
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="MLP part: models (default: mlp50m mlp)")
+    parser.add_argument("--bucket-mb", type=positive(float), default=25.0, help="MLP part: hpdl unit size (default 25)")
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="MLP part: a subset (default: all)")
+    parser.add_argument(
+        "--layouts", nargs="+", choices=list(composed.COMPOSED), help="composed part: a subset (default: all)"
     )
-    parser.add_argument("--strategy", default="zero", choices=["zero"])
-    parser.add_argument("-n", "--ranks", type=_positive(int), default=2, help="MPI processes (default 2)")
-    parser.add_argument("--quick", action="store_true", help="the small MLP, 1 round of 1 step (a smoke test)")
-    parser.add_argument("--out", default="bench-results/train-zero", help="output folder")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="models (default: mlp50m mlp)")
-    parser.add_argument("--rounds", type=_positive(int), help="timed rounds (default 7)")
-    parser.add_argument("--steps", type=_positive(int), help="steps per timed sample (default 5)")
-    parser.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="hpdl unit size (default 25)")
-    parser.add_argument("--timeout", type=_positive(float), default=3600.0, help="stop the job after this many s")
-    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="a subset (default: all)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ns = parser.parse_args(list(argv))
+    parser.add_argument(
+        "--part",
+        choices=["all", "mlp", "composed"],
+        default="all",
+        help="mlp: the MLPs on -n ranks; composed: ZeRO-3 in dp2 x pp2 and dp2 x tp2 on 4 ranks; all: both",
+    )
+
+
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if ns.ranks < 2:
         parser.error(f"-n {ns.ranks}: sharding needs at least 2 ranks")
-    quick = bool(ns.quick)
-    return Options(
-        ranks=ns.ranks,
-        quick=quick,
-        out=ns.out,
-        models=tuple(ns.models or (("mlp",) if quick else ("mlp50m", "mlp"))),
-        rounds=ns.rounds or (1 if quick else 7),
-        steps=ns.steps or (1 if quick else 5),
-        warmup=1 if quick else 2,
-        bucket_mb=ns.bucket_mb,
-        timeout=ns.timeout,
-        worker=bool(ns.worker),
-        contenders=tuple(ns.contenders or CONTENDERS),
-    )
+    return {
+        "models": tuple(ns.models or (("mlp",) if ns.quick else ("mlp50m", "mlp"))),
+        "bucket_mb": ns.bucket_mb,
+        "contenders": tuple(ns.contenders or CONTENDERS),
+        "layouts": tuple(ns.layouts or composed.COMPOSED),
+        "part": ns.part,
+    }
+
+
+BENCH = harness.Bench(
+    strategy="zero",
+    module="hpdl.bench.train_zero",
+    description="Samples/s and per-rank model-state memory of hpdl ZeRO stages 1/2/3 (MPI, gloo) beside "
+    "FSDP2, ZeroRedundancyOptimizer, DeepSpeed and DataParallel, alternating in one launch; then ZeRO-3 in "
+    "dp2 x pp2 and dp2 x tp2 beside ZeRO-2 in the same layouts, on 4 ranks.",
+    out="bench-results/train-zero",
+    rounds=(7, 1),
+    steps=(5, 1),
+    warmup=(2, 1),
+    timeout=3600.0,
+    ranks_help="ranks of the MLP part (the composed part runs on 4)",
+    quick_help="the small MLP and a tiny GPT, 1 round of 1 step (a smoke test)",
+    options=_options,
+    check=_check,
+)
+
+
+def parse(argv: list[str]) -> Options:
+    return harness.parse(BENCH, argv)
 
 
 def launch(argv: list[str]) -> int:
     """Start the benchmark on its ranks and return its exit code (2 for bad arguments)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's ranks: the CPU accelerator
+    return harness.launch(BENCH, argv, _run_parts)
 
-    def start(options: Options) -> int:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        name = "hpdl bench train --strategy zero"
-        return run_worker(name, "hpdl.bench.train_zero", options.ranks, options.forwarded(), options.timeout)
 
-    return report.launch_parsed(parse, argv, start)
+def _run_parts(options: Options) -> int:
+    """The MLPs on -n ranks, then ZeRO-3 composed with pp and tp on 4 (each its own mpiexec); the first failure."""
+    for part, ranks in (("mlp", options.ranks), ("composed", composed.RANKS)):
+        if options.part in ("all", part):
+            forwarded = options.forwarded("--part", part)
+            code = report.run_worker(BENCH.prog, BENCH.module, ranks, forwarded, options.timeout)
+            if code:
+                return code
+    return 0
 
 
 # --------------------------------------------------------------------------- models and contenders
@@ -340,17 +346,13 @@ def measure_model(model_name: str, options: Options, mpi: Any, gloo: Any, plain_
         c.sync()
         run_steps(c, batches, options.warmup)
         c.sync()
-    times = np.zeros((len(contenders), options.rounds))
-    for r in range(options.rounds):
-        for i, c in enumerate(contenders):
-            c.sync()
-            start = time.perf_counter()
-            run_steps(c, batches, options.steps)
-            times[i, r] = time.perf_counter() - start
-            c.sync()
-    from mpi4py import MPI
-
-    mpi.mpi_comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a sample lasts until its slowest rank finishes
+    times = harness.alternate(
+        len(contenders),
+        options.rounds,
+        lambda i: run_steps(contenders[i], batches, options.steps),
+        lambda i: contenders[i].sync(),
+        mpi,
+    )
     batch = MODELS[model_name][1]
     numel = sum(p.numel() for p in build_model(model_name).parameters())
     records = []
@@ -418,7 +420,8 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
         for contender, peer, what, ratio in TARGETS:
             a, b = mine.get(contender), mine.get(peer)
             if a is None or b is None:
-                verdicts.append(f"N/A {model}: {contender} vs {peer} ({what}): one of them did not run")
+                absent = " and ".join(n for n, r in ((contender, a), (peer, b)) if r is None)
+                verdicts.append(f"n/a {model}: {contender} vs {peer} ({what}): no {absent} in this run")
                 continue
             if what == "memory":
                 got = a["peak_model_state_bytes"] / b["peak_model_state_bytes"]
@@ -428,10 +431,7 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[str]]:
                 )
             else:
                 got = a["samples_per_s"]["median"] / b["samples_per_s"]["median"]
-                verdicts.append(
-                    f"{report.verdict(got >= ratio)} {model}: {contender} {got:.2f}x {peer}'s samples/s "
-                    f"(target >= {ratio}x)"
-                )
+                verdicts.append(harness.faster(f"{model}: {contender}", got, f"{peer}'s samples/s", ratio))
     return rows, verdicts
 
 
@@ -455,9 +455,17 @@ HEADERS = [
 ]
 
 
-def write_report(options: Options, records: list[dict[str, Any]], config: dict[str, Any], elapsed: float) -> None:
+def write_report(ranks: Ranks, options: Options, records: list[dict[str, Any]], elapsed: float) -> None:
     rows, verdicts = analyse(records)
     table = report.markdown_table(HEADERS, rows, right_align_from=2)
+    ds_version = "not importable"
+    if deepspeed_available() is None:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    config = harness.config(
+        options, ranks, "train-zero", bucket_mb=options.bucket_mb, optimizer=f"AdamW(lr={LR})", deepspeed=ds_version
+    )
     header = (
         f"hpdl bench train --strategy zero: {options.ranks} ranks, OMP_NUM_THREADS=1, MPI {config['mpi_engine']}, "
         f"torch {config['torch_version']}, deepspeed {config['deepspeed']}, unit/bucket {options.bucket_mb} MB, "
@@ -473,53 +481,33 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
         "neighbouring units (a unit and its prefetched neighbour in backward).",
         "hpdl stage 3 units: one per Linear (wrap_policy=(nn.Linear,)); FSDP2: fully_shard per Linear and root.",
     ]
-    text = report.markdown_document("hpdl bench train --strategy zero", header, [table], notes, verdicts)
-    report.write_report(options.out, "train_zero", text, records, config, elapsed)
+    text = ("hpdl bench train --strategy zero", header, [table], notes, verdicts)
+    harness.write(options, "train_zero", text, records, config, elapsed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`launch` by default; with --worker, `worker` (every rank)."""
-    return report.run_main(argv, parse, launch, worker)
+    return harness.main(BENCH, launch, worker, argv)
 
 
 def worker(options: Options) -> int:
-    """The worker (every rank): MPI and gloo communicators in one process, every contender, report on rank 0."""
+    """The worker (every rank): MPI and gloo communicators in one process, every contender, report on rank 0;
+    the composed part's on its 4 ranks (MPI only)."""
+    if options.part == "composed":
+        return composed.run(options)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    import hpdl
+    def measure(ranks: Ranks) -> list[dict[str, Any]]:
+        plain_mpi: Any = ranks.mpi.split(0, ranks.rank)  # the memory phase: no shared-memory staging buffers
+        plain_mpi.shared_memory = False
+        return [r for name in options.models for r in measure_model(name, options, ranks.mpi, ranks.gloo, plain_mpi)]
 
-    started = time.perf_counter()
-    mpi, gloo = report.worker_communicators(600.0)
-    plain_mpi: Any = mpi.split(0, mpi.rank)  # the memory phase: no shared-memory staging buffers in the count
-    plain_mpi.shared_memory = False
-    if mpi.rank == 0:
-        print(f"hpdl bench train --strategy zero: {mpi.size} ranks, MPI {mpi.engine}, measuring ...", flush=True)
-    records = []
-    for name in options.models:
-        records += measure_model(name, options, mpi, gloo, plain_mpi)
-    if mpi.rank == 0:
-        ds_problem = deepspeed_available()
-        ds_version = "not importable"
-        if ds_problem is None:
-            import deepspeed
-
-            ds_version = deepspeed.__version__
-        config = report.environment(
-            benchmark="train-zero",
-            strategy="zero",
-            quick=options.quick,
-            world_ranks=mpi.size,
-            rounds=options.rounds,
-            bucket_mb=options.bucket_mb,
-            mpi_engine=mpi.engine,
-            gloo_engine=gloo.engine,
-            optimizer=f"AdamW(lr={LR})",
-            deepspeed=ds_version,
-        )
-        write_report(options, records, config, time.perf_counter() - started)
-    mpi.barrier()
-    hpdl.finalize()
-    return 0
+    return harness.worker(
+        measure,
+        lambda ranks, records, elapsed: write_report(ranks, options, records, elapsed),
+        timeout=600.0,
+        announce=lambda r: f"hpdl bench train --strategy zero: {r.size} ranks, MPI {r.mpi.engine}, measuring ...",
+    )
 
 
 if __name__ == "__main__":
