@@ -190,16 +190,17 @@ def _calibrate(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="hpdl plan calibrate",
-        description="Measure this machine (matmul FLOP/s per dtype on one thread and all cores, per-layer "
-        "overhead, memory bandwidth, allreduce and send/recv latency and bandwidth on 2 MPI ranks) and write "
-        "a cluster file for `hpdl plan --cluster`.",
+        description="Measure this machine (matmul FLOP/s per dtype on one thread and all cores, and per rank "
+        "with every rank of a --devices job busy at once when they outnumber the cores; per-layer overhead, memory "
+        "bandwidth, allreduce and send/recv latency and bandwidth on 2 MPI ranks) and write a cluster file for "
+        "`hpdl plan --cluster` (with the cores per device).",
     )
     parser.add_argument("--out", default="cluster.toml", help="cluster file to write (default cluster.toml)")
     parser.add_argument("--devices", type=int, help="ranks the node runs (one thread each; default 4; with -H: "
                         "every slot of the hosts)")  # fmt: skip
     parser.add_argument("--ranks", type=int, default=2, help="MPI ranks of the collective probe (default 2)")
     parser.add_argument("--bench-json", help="fit the links from an `hpdl bench comm` run (its comm.json)")
-    parser.add_argument("--no-comm", action="store_true", help="skip the collective probe (links assumed)")
+    parser.add_argument("--no-comm", action="store_true", help="skip the MPI probes (links assumed; no busy probe)")
     parser.add_argument("--overlap", type=float, default=0.0, help="share of backward that hides gradient "
                         "communication (not measured; default 0 on CPU)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds)")
@@ -247,8 +248,9 @@ def _validate(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="hpdl plan validate",
-        description="Run every plan the planner finds feasible for a small MLP and a small GPT on 1, 2 and 4 "
-        "ranks with the real strategies, and print predicted next to measured step time (plus JSON, Markdown "
+        description="Run every plan the planner finds feasible for a small MLP, GPT, CNN and Inception block on "
+        "1, 2 and 4 ranks with the real strategies (a plan that fails on any rank is a failed row; the run goes "
+        "on), and print predicted next to measured step time (plus JSON, Markdown "
         "and a PNG scatter plot). Targets: >= 80%% of plans within 25%%; the predicted best within 10%% of the "
         "measured best. Run it on a quiet machine: timings on a shared one are noise.",
     )
@@ -259,6 +261,8 @@ def _validate(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, help="timed steps per plan (default 5; --quick 2)")
     parser.add_argument("--out", default="bench-results/plan", help="output folder (default bench-results/plan)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size before stopping")
+    parser.add_argument("--plans", nargs="+", metavar="PATTERN", help="only the plans whose label matches one of "
+                        "these shell patterns, e.g. 'dp1 pp4 *' '*sp4' (labels as the report prints them)")  # fmt: skip
     _hosts_arguments(parser, "run the plans across them; default world size: every slot")
     ns = parser.parse_args(argv)
     hosts = _hosts(ns)
@@ -271,6 +275,8 @@ def _validate(argv: list[str]) -> int:
         overrides["models"] = tuple(ns.models)
     if ns.steps:
         overrides["steps"] = ns.steps
+    if ns.plans:
+        overrides["plans"] = tuple(ns.plans)
     options = validate.quick_options(**overrides) if ns.quick else validate.Options(**overrides)
     outcome = validate.run(options)
     print(validate.markdown(outcome))

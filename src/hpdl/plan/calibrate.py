@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from hpdl.runtime.hosts import Hosts
 
 __all__ = ["measure_compute", "measure_overhead", "measure_memory_bandwidth", "fit_alpha_beta",
-           "measure_collectives", "measure_hosts", "collectives_from_bench", "calibrate", "main"]  # fmt: skip
+           "measure_collectives", "measure_hosts", "measure_busy", "collectives_from_bench", "calibrate",
+           "main"]  # fmt: skip
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
 
@@ -235,6 +236,66 @@ def measure_collectives(ranks: int = 2, quick: bool = False, timeout: float = 30
         with open(out) as fh:
             data = json.load(fh)
     return _fit(data["ranks"], data["allreduce"], data["sendrecv"], source=f"direct probe ({data['engine']})")
+
+
+# --------------------------------------------------------------------------- every rank busy at once
+def _worker_busy(out: str, matmul: int, window: float) -> None:
+    """On every rank of the job: the matmul rate and the fixed cost per operator while every rank computes at
+    once (ranks that share cores each get their share); rank 0 writes the slowest rank's, as JSON."""
+    import torch
+
+    import hpdl
+
+    comm = hpdl.init("mpi")
+    try:
+        torch.set_num_threads(1)
+        rates = {}
+        for name, attr in DTYPES.items():
+            dtype = getattr(torch, attr)
+            a = torch.randn(matmul, matmul).to(dtype)
+            b = torch.randn(matmul, matmul).to(dtype)
+            torch.mm(a, b)
+            comm.barrier()
+            count, start = 0, time.perf_counter()
+            while time.perf_counter() - start < window:
+                torch.mm(a, b)
+                count += 1
+            rates[name] = min(comm.allgather_object(2.0 * matmul**3 * count / (time.perf_counter() - start)))
+        w = torch.ones(4, requires_grad=True)
+        x = torch.randn(1, 4)
+        comm.barrier()
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < window:  # 32 operators forward, their backward: the fixed costs
+            y = x
+            for _ in range(32):
+                y = y * w
+            y.sum().backward()
+            count += 1
+        per_op = max(comm.allgather_object((time.perf_counter() - start) / (count * 3 * 32)))
+        if comm.rank == 0:
+            with open(out, "w") as fh:
+                json.dump({"ranks": comm.size, "flops": rates, "op_s": per_op}, fh)
+    finally:
+        hpdl.finalize()
+
+
+def measure_busy(devices: int, quick: bool = False, timeout: float = 300.0) -> dict[str, Any]:
+    """Compute rates per rank (FLOP/s by dtype) and the fixed seconds per operator with `devices` ranks of one
+    thread each computing at once on this machine: what each rank of a job of that size gets."""
+    from hpdl.runtime import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "busy.json")
+        args = ["-m", "hpdl.plan.calibrate", "--worker", out, "--busy-probe", "--matmul", "256" if quick else "512"]
+        args += ["--window", "0.25" if quick else "1.0"]
+        env = spawn.job_environment("mpi", devices)
+        env["OMP_NUM_THREADS"] = "1"
+        code = spawn.run(devices, args, env=env, timeout=timeout, name="hpdl plan calibrate")
+        if code != 0 or not os.path.exists(out):
+            raise RuntimeError(f"hpdl plan calibrate: the {devices}-rank compute probe failed (exit code {code})")
+        with open(out) as fh:
+            data: dict[str, Any] = json.load(fh)
+    return data
 
 
 # --------------------------------------------------------------------------- across hosts
@@ -451,6 +512,14 @@ def calibrate(
         comm = measure_collectives(ranks, quick=quick)
     else:
         comm = None
+    if measure_comm and devices > cores:
+        # the rate each rank gets while all of them compute (ranks that outnumber the cores share them): the node's
+        # rate is no more than the devices times that, and each rank's share of the cores goes with the file
+        busy = measure_busy(devices, quick=quick)
+        extra["all_threads_flops"] = json.dumps(node)  # one process on every core: what node_flops was before
+        node = {d: min(rate, devices * busy["flops"].get(d, rate)) for d, rate in node.items()}
+        extra["busy_flops"] = json.dumps(busy["flops"])
+        extra["busy_op_overhead_us"] = busy["op_s"] * 1e6
     if comm is not None:
         intra = Link("shm (measured)", comm["link"].latency_s, comm["link"].bandwidth_Bps)
         extra["collectives"] = comm["source"]
@@ -473,6 +542,7 @@ def calibrate(
         node_flops=node,
         intra=intra,
         inter=Link("same as intra (one node)", intra.latency_s, intra.bandwidth_Bps),
+        cores_per_device=cores / devices,
         **_machine(bandwidth, overhead, optimizers, overlap),
         source=f"measured on {host} at {when} by hpdl plan calibrate ({cores} cores{', quick' if quick else ''})",
         extra=extra,
@@ -565,11 +635,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--hosts-probe", action="store_true", help="the probe across hosts (measure_hosts)")
+    parser.add_argument("--busy-probe", action="store_true", help="compute with every rank busy (measure_busy)")
     parser.add_argument("--matmul", type=int, default=512)
     parser.add_argument("--window", type=float, default=0.5, help="seconds every rank multiplies at once")
     ns = parser.parse_args(argv)
     if ns.hosts_probe:
         _worker_hosts(ns.worker, ns.sizes, ns.reps, ns.matmul, ns.window)
+    elif ns.busy_probe:
+        _worker_busy(ns.worker, ns.matmul, ns.window)
     else:
         _worker(ns.worker, ns.sizes, ns.reps)
     return 0

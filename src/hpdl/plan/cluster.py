@@ -90,6 +90,9 @@ class Cluster:
     """Device memory bandwidth; the optimizer step is memory-bound and costs bytes / this."""
     node_flops: Optional[Mapping[str, float]] = None
     """All devices of a node together (when they share cores, as CPU ranks do); None: no sharing."""
+    cores_per_device: Optional[float] = None
+    """CPU cores per device of a node (`hpdl plan calibrate`: cores / ranks; 0.5 for 4 ranks on 2 cores); None:
+    a device's fixed costs (framework dispatch, optimizer step, copies) do not slow down with more devices busy."""
     layer_overhead_s: float = 0.0
     """Fixed seconds per layer and forward pass (module call, kernel launches); backward costs twice."""
     op_overhead_s: float = 0.0
@@ -129,6 +132,8 @@ class Cluster:
         if not 0 <= self.overlap <= 1:
             raise ClusterError(f"cluster {self.name!r}: overlap {self.overlap!r} must be in [0, 1]")
         overheads = (self.layer_overhead_s, self.op_overhead_s, self.tensor_overhead_s, self.pass_overhead_s)
+        if self.cores_per_device is not None and not self.cores_per_device > 0:
+            raise ClusterError(f"cluster {self.name!r}: cores_per_device {self.cores_per_device!r} must be > 0")
         if min(*overheads, self.reserved_bytes) < 0 or not (self.memory_bandwidth_Bps > 0):
             raise ClusterError(
                 f"cluster {self.name!r}: layer overhead and reserved memory must be >= 0, memory bandwidth > 0"
@@ -138,7 +143,7 @@ class Cluster:
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def rate(self, dtype: str, active_per_node: Optional[int] = None) -> float:
+    def rate(self, dtype: str, active_per_node: Optional[float] = None) -> float:
         """Achievable FLOP/s of one device for `dtype` when `active_per_node` devices of a node compute at once.
 
         Falls back from a missing 16-bit rate to fp32 (a CPU without bf16
@@ -157,9 +162,18 @@ class Cluster:
                 rate = min(rate, shared * self.efficiency / active_per_node)
         return rate
 
+    def sharing(self, active_per_node: float) -> float:
+        """How much slower a device's CPU work runs when `active_per_node` devices of a node work at once: the
+        devices per core (1 while every device has a core of its own, or the cores are not known)."""
+        if not self.cores_per_device:
+            return 1.0
+        return max(1.0, active_per_node / (self.cores_per_device * self.devices_per_node))
+
     def with_devices(self, nodes: int, devices_per_node: Optional[int] = None) -> Cluster:
-        """The same hardware with another node count (and devices per node)."""
-        return replace(self, nodes=nodes, devices_per_node=devices_per_node or self.devices_per_node)
+        """The same hardware with another node count (and devices per node: a node's cores stay its own)."""
+        per_node = devices_per_node or self.devices_per_node
+        cores = None if self.cores_per_device is None else self.cores_per_device * self.devices_per_node / per_node
+        return replace(self, nodes=nodes, devices_per_node=per_node, cores_per_device=cores)
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
@@ -181,6 +195,8 @@ class Cluster:
             "intra": self.intra.to_dict(),
             "inter": self.inter.to_dict(),
         }
+        if self.cores_per_device is not None:
+            data["cores_per_device"] = self.cores_per_device
         if self.node_flops:
             data["node_flops"] = dict(self.node_flops)
         if self.optimizer_ns:
@@ -205,6 +221,7 @@ class Cluster:
             "pass_overhead_us",
             "overlap",
             "reserved_GB",
+            "cores_per_device",
         }
         tables = {"flops", "node_flops", "optimizer_ns", "intra", "inter", "extra"}
         unknown = set(data) - scalar - tables
@@ -239,6 +256,8 @@ class Cluster:
             kwargs["overlap"] = float(data["overlap"])
         if "reserved_GB" in data:
             kwargs["reserved_bytes"] = float(data["reserved_GB"]) * GB
+        if "cores_per_device" in data:
+            kwargs["cores_per_device"] = float(data["cores_per_device"])
         if "node_flops" in data:
             kwargs["node_flops"] = {str(k): float(v) for k, v in dict(data["node_flops"]).items()}
         if "optimizer_ns" in data:

@@ -76,6 +76,9 @@ class Candidate:
     sp: int = 1
     """Spatial degree: ranks that split each sample's activations along the height (SpatialParallel), inside
     each data-parallel replica; only without pipeline and tensor parallelism."""
+    reshard: bool = True
+    """ZeRO-3's `reshard_after_forward`: gather each unit for every micro-batch's forward and backward (True),
+    or keep a stage's units gathered across the step's micro-batches (False: fewer all-gathers, more memory)."""
 
     @property
     def devices(self) -> int:
@@ -89,6 +92,8 @@ class Candidate:
             text += f" m{self.micro_batches} {self.schedule}"
             if self.recompute != "never":
                 text += f" rc:{self.recompute}"
+        if self.zero == 3 and not self.reshard:
+            text += " keep"
         return text
 
 
@@ -133,6 +138,7 @@ class Estimate:
             "micro_batch_size": self.micro_batch,
             "schedule": c.schedule if c.pp > 1 else None,
             "recompute": c.recompute,
+            "reshard_after_forward": c.reshard if c.zero == 3 else None,
             "step_s": self.step_s,
             "samples_per_s": self.samples_per_s,
             "compute_s": self.compute_s,
@@ -203,9 +209,17 @@ class CostModel:
         self._splits: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ stages
-    def rate(self, devices: int) -> float:
-        active = min(self.cluster.devices_per_node, devices)
-        return self.cluster.rate(self.workload.compute_dtype, active)
+    def busy(self, c: Candidate) -> float:
+        """Devices of a node that compute at once: all of the plan's on the node; with a pipeline, each stage
+        only for its share of the step, m / (m + p - 1) of it (GPipe's and 1F1B's), while the others wait."""
+        active = float(min(self.cluster.devices_per_node, c.devices))
+        if c.pp > 1:
+            active *= c.micro_batches / (c.micro_batches + c.pp - 1)
+        return active
+
+    def rate(self, c: Candidate) -> float:
+        """One device's FLOP/s in plan `c`: its share of the node while `busy(c)` devices compute."""
+        return self.cluster.rate(self.workload.compute_dtype, self.busy(c))
 
     def split(self, pp: int) -> list[int]:
         """Layers per stage for `pp` stages, balanced by forward time (FLOPs plus per-layer overhead)."""
@@ -348,7 +362,8 @@ class CostModel:
         layers = self.profile.layers
         spatial = [ly for ly in layers if ly.spatial]
         head = [ly for ly in layers if not ly.spatial]
-        rate = self.rate(c.devices)
+        rate = self.rate(c)
+        share = cl.sharing(self.busy(c))  # devices per core: the CPU's fixed costs and copies slow down alike
         if self.measured:
             slowdown = cl.rate(wl.compute_dtype) / rate
             per_sample = sum(ly.fwd_per_sample_s for ly in spatial) / c.sp + sum(ly.fwd_per_sample_s for ly in head)
@@ -358,10 +373,10 @@ class CostModel:
             interior *= 1 + self.profile.backward_ratio
         else:
             flops = sum(ly.flops for ly in spatial) / c.sp + sum(ly.flops for ly in head)
-            fwd = flops * b / rate + whole.layers * cl.layer_overhead_s + whole.ops * cl.op_overhead_s
+            fwd = flops * b / rate + (whole.layers * cl.layer_overhead_s + whole.ops * cl.op_overhead_s) * share
             bwd = 2 * fwd
             interior = 3 * sum(ly.flops for ly in spatial) / c.sp * b / rate
-        bwd += cl.pass_overhead_s
+        bwd += cl.pass_overhead_s * share
         # S2: halos, forward and backward, to one neighbour (sp = 2) or two; consecutive ranks, one node if they fit
         link = cl.intra if c.sp <= cl.devices_per_node else cl.inter
         neighbours = 1 if c.sp == 2 else 2
@@ -370,12 +385,12 @@ class CostModel:
             if ly.halo_messages:
                 one = coll.p2p(link, ly.halo_bytes * b / ly.halo_messages)
                 halo_total += 2 * neighbours * ly.halo_messages * one
-        halo_t = max(halo_total - cl.overlap * interior, 0.0)
+        halo_t = max(halo_total * share - cl.overlap * interior, 0.0)
         # S3: the gradients of the replicated weights, reduced over dp x sp (as data parallelism's D1)
         replicas = replace(c, dp=c.dp * c.sp, sp=1)
         bucket = wl.bucket_mb * 1e6
-        dp_t = self._dp_exposed(replicas, whole, coll.group(cl, c.dp * c.sp, 1), bucket, 1, fwd, bwd)
-        opt_t = self._optimizer_s(whole, 1)
+        dp_t = self._dp_exposed(replicas, whole, coll.group(cl, c.dp * c.sp, 1), bucket, 1, fwd, bwd) * share
+        opt_t = self._optimizer_s(whole, 1) * share
         mem, _, _ = self._memory(replicas, whole, 1, b, False, bucket)
         # S4: the busiest (interior) slab receives a halo from each neighbour
         received = neighbours * sum(ly.halo_bytes for ly in spatial) * b
@@ -438,7 +453,8 @@ class CostModel:
     ) -> tuple[float, float, float, float, float, dict[str, float], float, float]:
         """(compute, tp, p2p) per micro-batch, exposed dp communication, optimizer time, memory of one stage."""
         cl = self.cluster
-        rate = self.rate(c.devices)
+        rate = self.rate(c)
+        share = cl.sharing(self.busy(c))  # devices per core (C3): the CPU's fixed costs and copies slow down alike
         # Compute (C1): F = FLOPs / rate + fixed overhead per layer and per operator; backward 2x, recompute 1x.
         if self.measured:
             # (C1'): the layers' timed forward on one thread of this machine, slowed by ranks sharing its cores.
@@ -446,10 +462,10 @@ class CostModel:
             fwd = (s.fwd_fixed_s + s.fwd_per_sample_s * b) * slowdown
             bwd = self.profile.backward_ratio * fwd
         else:
-            fwd = s.flops * b / rate + s.layers * cl.layer_overhead_s + s.ops * cl.op_overhead_s
+            fwd = s.flops * b / rate + (s.layers * cl.layer_overhead_s + s.ops * cl.op_overhead_s) * share
             bwd = 2 * fwd
         rc = fwd if recomputes else 0.0
-        bwd += cl.pass_overhead_s  # (C2) once per forward-backward pass of a micro-batch
+        bwd += cl.pass_overhead_s * share  # (C2) once per forward-backward pass of a micro-batch
         # Tensor parallelism (T1): each allreduce moves one layer output of the micro-batch.
         tp_t = 0.0
         if c.tp > 1:
@@ -471,7 +487,7 @@ class CostModel:
         dp_t = self._dp_exposed(c, s, dp_group, bucket, c.micro_batches, fwd, bwd + rc)
         opt_t = self._optimizer_s(s, c.dp if c.zero >= 1 else 1)
         mem, per_alive, fixed = self._memory(c, s, p, b, recomputes, bucket)
-        return fwd + bwd + rc, tp_t, p2p_t, dp_t, opt_t, mem, per_alive, fixed
+        return fwd + bwd + rc, tp_t * share, p2p_t * share, dp_t * share, opt_t * share, mem, per_alive, fixed
 
     def _optimizer_s(self, s: _Stage, shards: int) -> float:
         """Optimizer step (O1): memory-bound over the parameters this device updates (1/shards of the stage's),
@@ -505,13 +521,22 @@ class CostModel:
         weights = s.params * self.bytes.param
         hide = cl.overlap * bwd
         if c.zero == 3:
-            # D4: per micro-batch, gather parameters for forward and for backward, reduce-scatter gradients,
-            # one unit at a time (prefetched); the first unit's gather cannot hide.
+            # D4: ZeRO-3 over the stage's dp group (each tp slice sharded over it), one unit at a time, prefetched
+            # (hpdl.parallel.zero_redundancy.hybrid_cost): resharding gathers every unit for each micro-batch's
+            # forward and backward (2 m u all-gathers), keeping gathers it once per step (u); gradients are
+            # reduce-scattered once per step, in the last micro-batch's backward (the pipeline's others run in
+            # no_sync), u of them. The m forwards and backwards hide all gathers but those that nothing precedes:
+            # the first unit of the step (and of every micro-batch when resharding); the reduce-scatters hide
+            # behind the last backward only, as ZeRO-2's (D3), all but the last unit's.
+            from hpdl.parallel.zero_redundancy.hybrid_cost import stage3_traffic  # lazy: loads torch (~0.4 s)
+
             units = self._zero3_units(s)
-            gather = coll.allgather(cl, group, weights / units)
-            scatter = coll.reduce_scatter(cl, group, grads / units)
-            total = m * units * (2 * gather + scatter)
-            return max(total - cl.overlap * m * (fwd + bwd), gather)
+            traffic = stage3_traffic(s.params, units, m, reshard_after_forward=c.reshard,
+                                     param_bytes=self.bytes.param, grad_bytes=self.bytes.grad)  # fmt: skip
+            gather = coll.allgather(cl, group, traffic.allgather_bytes)
+            scatter = coll.reduce_scatter(cl, group, traffic.reduce_scatter_bytes)
+            gathers = max(traffic.allgathers * gather - cl.overlap * m * (fwd + bwd), traffic.exposed_gathers * gather)
+            return gathers + max(traffic.reduce_scatters * scatter - hide, scatter)
         buckets = max(1, math.ceil(grads / bucket))
         if c.zero == 2:
             # D3: bucketed reduce-scatter in backward, once per step (a pipeline accumulates its micro-batches
@@ -530,6 +555,7 @@ class CostModel:
     ) -> tuple[dict[str, float], float, float]:
         """Model states and buffers, and activations as (bytes per alive micro-batch, fixed bytes)."""
         from hpdl.parallel.zero_redundancy import memory_formula  # lazy: start-up time, as above
+        from hpdl.parallel.zero_redundancy.hybrid_cost import stage3_memory
 
         wl, cl = self.workload, self.cluster
         # M1: model states as hpdl's ZeRO keeps them (hpdl.parallel.zero_redundancy.memory_formula): in mixed
@@ -550,15 +576,31 @@ class CostModel:
             per_alive, fixed = b * s.checkpoint, b * s.largest_activation
         else:
             per_alive, fixed = b * s.activations, 0.0
+        grads, params = states["grads"], states["params"]
         if c.zero == 3:
-            # Gathered parameters of the current and the prefetched unit, and a gradient bucket.
-            unit = max(s.largest_params, s.params / self._zero3_units(s))
-            buffers = 2 * unit * self.bytes.param + min(bucket, s.params * self.bytes.grad)
+            # M1'': ZeRO-3 in a hybrid layout (hybrid_cost.stage3_memory): the shards of the stage's (tp-divided)
+            # parameters, plus the gathered units (the largest and its prefetched neighbour when resharding, the
+            # whole stage when kept); with micro-batches the stage's full gradient accumulates until the step's
+            # reduce-scatter. Buffers: one gradient bucket.
+            units = self._zero3_units(s)
+            unit = max(s.largest_params, s.params / units)
+            z3 = stage3_memory(
+                s.params,
+                c.dp,
+                micro_batches=c.micro_batches,
+                largest_unit_numel=unit,
+                second_unit_numel=unit if units > 1 else 0.0,  # a stage of one unit has none to prefetch
+                reshard_after_forward=c.reshard,
+                param_bytes=self.bytes.param,
+                state_bytes=self.bytes.optimizer - (4 if mixed else 0),
+                mixed_precision=mixed,
+            )
+            grads, params = z3["grads"], z3["params"]
+            buffers = min(bucket, s.params * self.bytes.grad)
         elif c.dp > 1:
             buffers = min(2 * bucket, s.params * self.bytes.grad)
         else:
             buffers = 0.0
-        grads, params = states["grads"], states["params"]
         if c.zero == 2 and p > 1:
             # M1': with a pipeline, ZeRO-2 accumulates the micro-batches' gradients in full, then reduce-scatters.
             grads = s.params * self.bytes.grad

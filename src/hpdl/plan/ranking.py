@@ -4,7 +4,10 @@ The space is the one `hpdl.parallel.Plan` accepts: dp x pp x tp equals the
 devices; tp stays inside a node, divides the attention heads and has a
 `Branches` block's branch for each rank; micro-
 batches, schedules and recomputation only with a pipeline (1F1B needs
-m >= pp); ZeRO-3 only without pipeline and tensor parallelism; mixed
+m >= pp); ZeRO 1-3 with every dp x pp x tp (ZeRO-3 shards each stage's
+parameters, tp slices included, over its dp group) and, with a pipeline,
+ZeRO-3 resharding after each forward or keeping the units gathered across
+the micro-batches (`reshard_after_forward`); mixed
 precision keeps fp32 master copies in the ZeRO optimizer, so it needs a
 ZeRO stage >= 1. Candidates that do not fit in device memory are kept (and
 reported) but never chosen. One estimate costs O(stages) after a per-(pp, tp)
@@ -65,8 +68,6 @@ def candidates(
             else:
                 stages = [z for z in stages if dp > 1 or z == 0]
             for zero in stages:
-                if zero == 3 and (pp > 1 or tp > 1):
-                    continue  # Plan: ZeRO-3 composes with neither pipelines nor tensor parallelism (yet)
                 if zero and tp > 1 and profile.branched:
                     continue  # Plan: branch parallelism does not combine with ZeRO (yet)
                 if pp == 1:
@@ -80,6 +81,8 @@ def candidates(
                             continue  # gems: an even m; its copies' reduction takes neither ZeRO nor tp
                         for rc in recompute:
                             yield Candidate(dp, pp, tp, zero, m, schedule, rc)
+                            if zero == 3 and m > 1:  # keep the units gathered across the micro-batches
+                                yield Candidate(dp, pp, tp, zero, m, schedule, rc, reshard=False)
     if spatial:
         for sp in divisors(n)[1:]:
             if sp <= profile.spatial_limit() and workload.batch % (n // sp) == 0:
@@ -153,6 +156,8 @@ def plan_fields(c: Candidate, workload: Workload, balance: Optional[Sequence[int
         "compression": None,
         "mixed_precision": "bf16" if workload.precision != "fp32" and c.zero >= 1 else None,
     }
+    if c.zero == 3:
+        fields["reshard_after_forward"] = c.reshard
     if c.pp > 1 and balance:
         fields["balance"] = [int(n) for n in balance]
     if c.sp > 1:  # SpatialParallel over the mesh's sp axis, each sample's height split (the profile's spatial dim)

@@ -72,6 +72,8 @@ def describe(e: Estimate) -> str:
     c = e.candidate
     spatial = f" x sp{c.sp} (spatial: each sample's height split in {c.sp} slabs)" if c.sp > 1 else ""
     text = f"dp{c.dp} x pp{c.pp} x tp{c.tp}{spatial}, " + (f"ZeRO-{c.zero}" if c.zero else "no ZeRO")
+    if c.zero == 3 and not c.reshard:
+        text += " (units kept gathered across micro-batches)"
     if c.pp > 1:
         text += f", {c.micro_batches} micro-batches of {e.micro_batch}, {c.schedule}"
         if c.recompute != "never":
@@ -133,7 +135,7 @@ def ranking_table(result: SearchResult, top: int = 10) -> str:
                 c.pp,
                 c.tp,
                 c.sp,
-                c.zero,
+                c.zero if c.reshard else f"{c.zero} keep",  # keep: reshard_after_forward = false
                 c.micro_batches if c.pp > 1 else "-",
                 c.schedule if c.pp > 1 else "-",
                 c.recompute if c.pp > 1 else "-",

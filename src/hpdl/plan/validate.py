@@ -1,14 +1,15 @@
 """Prediction against measurement: run every plan that fits on 1, 2 and 4 ranks and compare step times.
 
-For each world size and model (a small MLP and a small GPT), the planner
-searches the calibrated cluster of this machine; every candidate that fits
-(within a bounded set of micro-batch counts) is then run for a few steps
+For each world size and model (a small MLP, GPT, CNN and Inception block), the
+planner searches the calibrated cluster of this machine; every candidate that
+fits (within a bounded set of micro-batch counts) is then run for a few steps
 with the real strategies (`hpdl.parallel.build`: DataParallel, ZeRO,
-Pipeline, tensor parallelism) in one MPI launch per world size, each plan
-after the other. The step time is the median over the timed steps of the
-slowest rank. Reported: predicted and measured side by side, the share of
-plans predicted within 25%, and whether the plan predicted best runs
-within 10% of the best measured one.
+Pipeline, tensor, spatial and branch parallelism) in one MPI launch per world
+size, each plan after the other on a communicator of its own, the ranks
+agreeing after each on its times or its error (`run_plans`). The step time is
+the median over the timed steps of the slowest rank. Reported: predicted and
+measured side by side, the share of plans predicted within 25%, and whether
+the plan predicted best runs within 10% of the best measured one.
 
 Worker entry: `python -m hpdl.plan.validate --worker SPEC.json OUT.json`.
 """
@@ -16,19 +17,23 @@ Worker entry: `python -m hpdl.plan.validate --worker SPEC.json OUT.json`.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+import hpdl.settings as settings
+
 if TYPE_CHECKING:
     from hpdl.runtime.hosts import Hosts
 
-__all__ = ["Options", "run", "summarize", "markdown", "plot", "MODELS", "main"]
+__all__ = ["Options", "run", "run_plans", "summarize", "markdown", "plot", "MODELS", "main"]
 
 MODELS = ("mlp", "gpt", "cnn", "inception")
 TOLERANCE = 0.25
@@ -56,6 +61,8 @@ class Options:
     """Run the ranks on these hosts (`hpdl.runtime.hosts.parse_hosts("a:2,b:2")`), reached through `rsh`; None:
     this machine. Calibrating now then measures the links inside and between the hosts apart."""
     rsh: str = "ssh"
+    plans: tuple[str, ...] = ()
+    """Run only the plans whose label matches one of these shell patterns ('dp1 pp4 *', '*sp4*'); () all."""
 
 
 def quick_options(**overrides: Any) -> Options:
@@ -176,8 +183,17 @@ def build_model(spec: dict[str, Any]) -> tuple[Any, Callable[[int, int], tuple[A
 
 
 # --------------------------------------------------------------------------- worker (every rank)
+AGREEMENT_MARGIN_S = 30.0
+"""Seconds the agreement after a plan waits beyond two of the plan's own waits: a rank that failed waits there
+while the others notice (at once in a collective, where the failed rank's sub-communicators say it left; within
+one bounded wait in a pipeline's point-to-point messages)."""
+CONSEQUENCES = ("CollectiveMismatchError", "CommTimeoutError", "CommError", "StageFailedError")
+"""Errors that report another rank's failure: the report names the first error that is none of these."""
+
+
 def _run_plan(comm: Any, fields: dict[str, Any], spec: dict[str, Any], steps: int, warmup: int) -> list[float]:
-    """Step times (seconds, this rank) of one plan on `comm`."""
+    """Step times (seconds, this rank) of one plan on `comm`; on an error the mesh is left to the caller, who
+    abandons `comm` and everything split from it (closing would wait on ranks that may never come)."""
     import torch
 
     from hpdl.parallel.mesh import Mesh, build
@@ -187,62 +203,100 @@ def _run_plan(comm: Any, fields: dict[str, Any], spec: dict[str, Any], steps: in
     model, batch, loss_fn = build_model(spec)
     plan = Plan(**fields)
     mesh = Mesh.from_plan(comm, plan)
-    try:
-        wrapped, optimizer = build(model, mesh, plan, optimizer=torch.optim.Adam, lr=1e-3)
-        coords = mesh.coordinates()
-        rows = spec["batch"] // plan.dp
-        if plan.tp > 1 and spec["name"] == "gpt":
-            from hpdl.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+    wrapped, optimizer = build(model, mesh, plan, optimizer=torch.optim.Adam, lr=1e-3)
+    coords = mesh.coordinates()
+    rows = spec["batch"] // plan.dp
+    if plan.tp > 1 and spec["name"] == "gpt":
+        from hpdl.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 
-            tp_comm = mesh.tp
+        tp_comm = mesh.tp
 
-            def loss(out: Any, y: Any) -> Any:
-                return vocab_parallel_cross_entropy(out, y, tp_comm)
+        def loss(out: Any, y: Any) -> Any:
+            return vocab_parallel_cross_entropy(out, y, tp_comm)
+    else:
+        loss = loss_fn
+    times = []
+    for i in range(warmup + steps):
+        x, y = batch(1000 * i + coords["dp"], rows)
+        if plan.sp > 1:
+            x = wrapped.shard(x)  # this rank's slab of each image
+        comm.barrier()
+        start = time.perf_counter()
+        if plan.pp > 1:
+            wrapped.step(x, y, loss)
         else:
-            loss = loss_fn
-        times = []
-        for i in range(warmup + steps):
-            x, y = batch(1000 * i + coords["dp"], rows)
-            if plan.sp > 1:
-                x = wrapped.shard(x)  # this rank's slab of each image
-            comm.barrier()
-            start = time.perf_counter()
-            if plan.pp > 1:
-                wrapped.step(x, y, loss)
-            else:
-                loss(wrapped(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        return times
-    finally:
-        mesh.close()
+            loss(wrapped(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    if hasattr(wrapped, "close"):
+        wrapped.close()
+    mesh.close()
+    return times
 
 
-def _worker(spec_path: str, out_path: str) -> None:
+def _abandon(comm: Any) -> None:
+    """Close `comm` and every communicator split from it without meeting the other ranks: each posts that this
+    rank left (a peer waiting in one of their collectives raises at once) and keeps its engine resources."""
+    pending = [comm]
+    while pending:
+        sub = pending.pop()
+        sub._broken = True  # as hpdl.runtime.world.abandon marks a failing rank's worlds
+        pending.extend(sub._children)
+    comm.close()
+
+
+def _attempt(scope: Any, item: dict[str, Any], job: dict[str, Any]) -> tuple[list[float], str]:
+    """One plan on `scope`: its times, or no times and this rank's error (`scope` is then abandoned)."""
+    try:
+        return _run_plan(scope, item["fields"], job["models"][item["model"]], job["steps"], job["warmup"]), ""
+    except Exception as exc:  # one plan's failure is a row of the report, not the end of the run
+        _abandon(scope)
+        error = f"rank {scope.rank}: {type(exc).__name__}: {exc}"
+        if settings.flag("HPDL_PLAN_DEBUG"):
+            error += "\n" + traceback.format_exc()
+            print(f"hpdl plan validate: plan {item['plan']}: {error}", file=sys.stderr, flush=True)
+        return [], error
+
+
+def first_error(errors: Sequence[str]) -> str:
+    """The error that started a plan's failure: the first one that does not report another rank's."""
+    for error in errors:
+        kind = error.split(": ", 2)[1] if error.count(": ") >= 2 else ""
+        if kind not in CONSEQUENCES:
+            return error
+    return errors[0] if errors else ""
+
+
+def run_plans(comm: Any, job: dict[str, Any], out_path: Optional[str] = None) -> list[dict[str, Any]]:
+    """Run `job`'s plans one after the other on every rank of `comm`; the same results on every rank.
+
+    The plans run on a communicator split from `comm` (a new one after a plan that failed). After each plan
+    every rank meets in one agreement on `comm` (an allgather of its times or its error, bounded by
+    `AGREEMENT_MARGIN_S` beyond two of the plan's waits), so that a plan that failed on any rank is a failed
+    row on all of them and they go on to the next plan together; a rank whose plan failed abandons the plan's
+    communicator and all split from it first, and the others abandon theirs after the agreement. Rank 0 rewrites
+    `out_path` after each plan, so that a job that ends early still reports what it measured.
+    """
     import torch
 
-    import hpdl
-
-    with open(spec_path) as fh:
-        job = json.load(fh)
-    comm = hpdl.init("mpi")
+    plan_limit = comm.timeout
     results = []
+    scope = None
     try:
         for item in job["plans"]:
-            error = ""
-            try:
-                times = _run_plan(comm, item["fields"], job["models"][item["model"]], job["steps"], job["warmup"])
-            except Exception as exc:  # one plan's failure is a row of the report, not the end of the run
-                times = []
-                error = f"{type(exc).__name__}: {exc}"
-                if os.environ.get("HPDL_PLAN_DEBUG"):
-                    error += "\n" + traceback.format_exc()
-            # The step of the slowest rank: gather every rank's median, or its failure.
+            comm.timeout = plan_limit  # the plan's communicators inherit it
+            if scope is None:
+                scope = comm.split(0, comm.rank)
+            times, error = _attempt(scope, item, job)
             mine = statistics.median(times) if times else float("nan")
+            comm.timeout = 2 * plan_limit + AGREEMENT_MARGIN_S
             gathered = comm.allgather_object((mine, error, [float(t) for t in times]))
             errors = [e for _, e, _ in gathered if e]
+            if errors:  # its communicators may hold calls that will never complete: a new one for the next plan
+                _abandon(scope)
+                scope = None
             medians = [m for m, _, _ in gathered]
             per_step = [max(ts) for ts in zip(*[t for _, _, t in gathered])] if not errors else []
             results.append(
@@ -250,13 +304,31 @@ def _worker(spec_path: str, out_path: str) -> None:
                     "id": item["id"],
                     "measured_s": max(medians) if not errors else None,
                     "steps_s": per_step,
-                    "error": errors[0] if errors else "",
+                    "error": first_error(errors),
+                    "failed_ranks": [r for r, (_, e, _) in enumerate(gathered) if e],
+                    "rank_errors": [e.splitlines()[0] if e else "" for _, e, _ in gathered],
                 }
             )
             torch.manual_seed(0)
-        if comm.rank == 0:
-            with open(out_path, "w") as fh:
-                json.dump(results, fh)
+            if out_path and comm.rank == 0:
+                with open(out_path + ".part", "w") as fh:
+                    json.dump(results, fh)
+                os.replace(out_path + ".part", out_path)
+    finally:
+        comm.timeout = plan_limit
+    if scope is not None:
+        scope.close()
+    return results
+
+
+def _worker(spec_path: str, out_path: str) -> None:
+    import hpdl
+
+    with open(spec_path) as fh:
+        job = json.load(fh)
+    comm = hpdl.init("mpi")
+    try:
+        run_plans(comm, job, out_path)
     finally:
         hpdl.finalize()
 
@@ -326,6 +398,8 @@ def predictions(options: Options, cluster: Any) -> tuple[list[dict[str, Any]], d
                 spatial=name == "cnn",  # dp x sp plans for the model whose layers run on slabs
             )
             for e in result.feasible:
+                if options.plans and not any(fnmatch.fnmatchcase(e.candidate.label(), p) for p in options.plans):
+                    continue
                 rows.append(
                     {
                         "id": len(rows),
@@ -361,10 +435,17 @@ def measure_plans(
         code = spawn.run(ranks, ["-m", "hpdl.plan.validate", "--worker", spec_path, out_path], env=env,
                          timeout=options.timeout, name="hpdl plan validate", hosts=options.hosts,
                          rsh=options.rsh)  # fmt: skip
-        if code != 0 or not os.path.exists(out_path):
-            raise RuntimeError(f"hpdl plan validate: the {ranks}-rank run failed (exit code {code})")
-        with open(out_path) as fh:
-            return {r["id"]: r for r in json.load(fh)}
+        done: dict[int, dict[str, Any]] = {}
+        if os.path.exists(out_path):  # rank 0 rewrites it after every plan
+            with open(out_path) as fh:
+                done = {r["id"]: r for r in json.load(fh)}
+    if code != 0:
+        lost = f"not run: the {ranks}-rank job ended early (exit code {code}; its output above says why)"
+        print(f"hpdl plan validate: {lost}; {len(chosen) - len(done)} of its {len(chosen)} plans are reported as "
+              "failed", file=sys.stderr)  # fmt: skip
+        for r in chosen:
+            done.setdefault(r["id"], {"id": r["id"], "measured_s": None, "steps_s": [], "error": lost})
+    return done
 
 
 def run(options: Options) -> Outcome:
@@ -447,6 +528,8 @@ def markdown(outcome: Outcome) -> str:
     best = markdown_table(["model", "ranks", "plans run", "predicted best", "measured best",
                            "its time / best", "within 10%"], best_rows)  # fmt: skip
     share = outcome.within_share
+    failed = [r for r in outcome.records if r.get("error")]
+    failures = [f"- {r['model']}, {r['ranks']} ranks, {r['plan']}: {r['error'].splitlines()[0]}" for r in failed]
     lines = [
         f"cluster: {outcome.cluster.name} ({outcome.cluster.source})",
         f"load average per core: {outcome.load[0]:.2f} before, {outcome.load[1]:.2f} after"
@@ -461,6 +544,8 @@ def markdown(outcome: Outcome) -> str:
         if share == share
         else "no plan was measured",
     ]
+    if failures:
+        lines += ["", f"{len(failed)} plan(s) failed (every rank went on to the next plan):", *failures]
     return "\n".join(lines)
 
 
