@@ -12,6 +12,7 @@ launch` itself (the forms, exit codes, output) is tested in tests/test_launcher.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -39,6 +40,8 @@ SHARED = {
     "lab_ml.py": [],
     "lab_plan.py": [],
 }
+if importlib.util.find_spec("keras") is not None:  # (requirements-dev.txt installs Keras on Python 3.11 to 3.13)
+    SHARED["lab_keras.py"] = ["--epochs", "3"]  # Keras on torch, which the lab sets before Keras is imported
 """The scripts of the shared job, with their arguments ({out}: the job's output folder). The labs write where
 they do by default, to show that it is not the working folder (lab_ml.py: bench-results/ml/lab_ml.png)."""
 SCRIPTS = {"demo": hpdl.train.demo.__file__}
@@ -134,6 +137,15 @@ def test_lab_runs_and_checks_its_claims(shared):
     assert output.count("(equal to the mean of the local ones: True)") == 2, output
     assert output.count("(same: True)") == 2, output
     assert "False" not in output, output
+
+
+@pytest.mark.skipif("lab_keras.py" not in SHARED, reason="Keras is not installed (Python 3.11 to 3.13 have it)")
+def test_keras_lab_runs_one_keras_script_on_one_process_and_two_ranks_with_equal_weights(shared):
+    output = shared_output(shared, "lab_keras.py", "--epochs", "3")
+    assert "Keras 3" in output and "on torch" in output, output
+    assert re.search(r"1 process : +\d+ samples/s", output) and re.search(r"2 ranks   : +\d+ samples/s", output)
+    difference = float(re.search(r"2 ranks vs 1 process: ([0-9.e+-]+)", output).group(1))
+    assert difference < 1e-5, output
 
 
 def test_torch_backend_lab_runs_ddp_on_gloo_and_hpdl_with_equal_parameters():

@@ -15,6 +15,7 @@ KINDS = {
     "gpu": "hpdl.bench.gpu_check",
     "torch": "hpdl.bench.torch_backend",
     "cluster": "hpdl.bench.cluster",
+    "keras": "hpdl.bench.keras",
 }
 
 

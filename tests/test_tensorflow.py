@@ -1,0 +1,261 @@
+"""hpdl.tensorflow (Horovod's TF2 API) on real MPI ranks: collectives' values, DistributedGradientTape equal to
+one process on the whole batch (eagerly and inside tf.function), broadcast_variables, and mismatches that end
+in hpdl's clear error. One pool of 2 TensorFlow ranks serves every test (a TF rank costs seconds to start);
+the bodies import TensorFlow on the ranks only, never in the pytest process."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import RankError
+
+TF_ENV = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+"""The environment of the TensorFlow pool: the one tests/test_keras_tf.py uses, so that one pool of 2 TensorFlow
+ranks serves both files (other files' ranks stay free of TensorFlow)."""
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed (pip install hpdl[tensorflow])"
+)
+
+
+def test_import_hpdl_does_not_import_tensorflow():
+    code = "import sys, hpdl; assert 'tensorflow' not in sys.modules, 'tensorflow was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- collectives
+def collectives_body(comm):
+    import tensorflow as tf
+
+    import hpdl.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = tf.fill([3], float(r + 1))
+
+    def run_all(tag):
+        out = {}
+        out[f"{tag}avg"] = hvd.allreduce(x)
+        out[f"{tag}sum"] = hvd.allreduce(x, op=hvd.Sum)
+        out[f"{tag}scaled"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+        out[f"{tag}fp16"] = hvd.allreduce(tf.cast(x, tf.float64), compression=hvd.Compression.fp16)
+        out[f"{tag}adasum"] = hvd.allreduce(x, op=hvd.Adasum)
+        out[f"{tag}grouped"] = hvd.grouped_allreduce([x, tf.cast(x, tf.int64) * 2], op=hvd.Sum)
+        out[f"{tag}gather"] = hvd.allgather(tf.fill([r + 1, 2], float(r)))
+        out[f"{tag}bcast"] = hvd.broadcast(tf.constant([float(r)]), root_rank=n - 1)
+        out[f"{tag}a2a"] = hvd.alltoall(tf.range(3) + 10 * r, splits=tf.constant([1, 2]) if r == 0 else [2, 1])
+        out[f"{tag}rs"] = hvd.reducescatter(tf.reshape(tf.range(6, dtype=tf.float64) * (r + 1), [3, 2]), op=hvd.Sum)
+        sparse = tf.IndexedSlices(tf.fill([1, 2], float(r + 1)), tf.constant([r]), tf.constant([4, 2]))
+        out[f"{tag}sparse"] = tf.convert_to_tensor(hvd.allreduce(sparse))
+        return out
+
+    out = {**run_all(""), **tf.function(lambda: run_all("fn_"))()}  # graph nodes: how model.fit runs a step
+    out = {k: ([t.numpy() for t in v] if isinstance(v, (list, tuple)) else v.numpy()) for k, v in out.items()}
+    out["fp16_dtype"] = str(hvd.allreduce(tf.cast(x, tf.float64), compression=hvd.Compression.fp16).dtype.name)
+    out["gather_shape_in_fn"] = tf.function(lambda t: hvd.allgather(t)).get_concrete_function(x).output_shapes
+    out["unchanged"] = x.numpy()
+
+    v = tf.Variable(tf.fill([2, 2], float(r)), dtype=tf.float32)
+    hvd.broadcast_variables([v], root_rank=1)
+    out["broadcast_variables"] = v.numpy()
+    out["object"] = hvd.broadcast_object({"from": r} if r == 0 else None, root_rank=0)
+    out["objects"] = hvd.allgather_object(("rank", r))
+    one = hvd.add_process_set([0])
+    out["set"] = hvd.allreduce(x, op=hvd.Sum, process_set=one).numpy() if r == 0 else None
+    hvd.remove_process_set(one)
+
+    @tf.function(jit_compile=True)
+    def xla(t):
+        return hvd.allreduce(t)
+
+    try:
+        xla(x)
+        out["xla"] = "ran"
+    except NotImplementedError as exc:
+        out["xla"] = str(exc)
+    return out
+
+
+def test_collectives(ranks):
+    for r, out in enumerate(ranks("mpi", 2, TF_ENV).run(collectives_body, timeout=120)):
+        for tag in ("", "fn_"):
+            np.testing.assert_array_equal(out[f"{tag}avg"], [1.5] * 3)
+            np.testing.assert_array_equal(out[f"{tag}sum"], [3.0] * 3)
+            np.testing.assert_array_equal(out[f"{tag}scaled"], [3.0] * 3)
+            np.testing.assert_array_equal(out[f"{tag}fp16"], [1.5] * 3)
+            np.testing.assert_allclose(out[f"{tag}adasum"], [1.5] * 3)  # parallel: Adasum averages
+            np.testing.assert_array_equal(out[f"{tag}grouped"][0], [3.0] * 3)
+            np.testing.assert_array_equal(out[f"{tag}grouped"][1], [6] * 3)
+            np.testing.assert_array_equal(out[f"{tag}gather"], [[0, 0], [1, 1], [1, 1]])
+            np.testing.assert_array_equal(out[f"{tag}bcast"], [1.0])
+            np.testing.assert_array_equal(out[f"{tag}a2a"][0], [0, 10, 11] if r == 0 else [1, 2, 12])
+            np.testing.assert_array_equal(out[f"{tag}a2a"][1], [1, 2] if r == 0 else [2, 1])
+            full = np.arange(6.0).reshape(3, 2) * 3
+            np.testing.assert_array_equal(out[f"{tag}rs"], full[:2] if r == 0 else full[2:])
+            np.testing.assert_array_equal(out[f"{tag}sparse"], [[0.5, 0.5], [1.0, 1.0], [0, 0], [0, 0]])
+        assert out["fp16_dtype"] == "float64"
+        assert out["gather_shape_in_fn"].as_list() == [None]
+        np.testing.assert_array_equal(out["unchanged"], [r + 1.0] * 3)
+        np.testing.assert_array_equal(out["broadcast_variables"], np.ones((2, 2)))
+        assert out["object"] == {"from": 0} and out["objects"] == [("rank", 0), ("rank", 1)]
+        if r == 0:
+            np.testing.assert_array_equal(out["set"], [1.0] * 3)
+        assert "jit_compile=True" in out["xla"] and "XLA" in out["xla"]
+
+
+# --------------------------------------------------------------------------- training equals one process
+def training_body(comm, mode, steps):
+    """Fit a small model (an embedding with sparse gradients, a dense layer, float64) for `steps` SGD steps:
+    each rank on its slice of every global batch with DistributedGradientTape, and, on every rank, one
+    process on the whole batch with a plain tape. Returns both weight sets."""
+    import tensorflow as tf
+
+    import hpdl.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(0)
+    batch = 4 * n
+    ids = rng.integers(0, 10, size=(steps, batch))
+    feats = rng.normal(size=(steps, batch, 3))
+    target = rng.normal(size=(steps, batch, 1))
+
+    def model(seed):
+        g = np.random.default_rng(seed)
+        return [tf.Variable(g.normal(size=shape)) for shape in [(10, 3), (6, 1), (1,)]]
+
+    def loss_fn(w, i, f, y):
+        h = tf.concat([tf.gather(w[0], i), f], axis=1)  # tf.gather: the embedding's gradient is IndexedSlices
+        return tf.reduce_mean((tf.tanh(h) @ w[1] + w[2] - y) ** 2)
+
+    def apply(w, grads):
+        for v, g in zip(w, grads):
+            v.assign_sub(0.1 * tf.convert_to_tensor(g))
+
+    def distributed_step(w, i, f, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(w, i, f, y)
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, w)
+        apply(w, grads)
+        return isinstance(grads[0], tf.IndexedSlices)
+
+    def single_step(w, i, f, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(w, i, f, y)
+        apply(w, tape.gradient(loss, w))
+
+    if mode == "function":
+        distributed_step = tf.function(distributed_step)
+        single_step = tf.function(single_step)
+    mine = model(seed=100 + r)  # different starting weights on every rank: the broadcast makes them equal
+    hvd.broadcast_variables(mine, root_rank=0)
+    reference = model(seed=100)
+    lo, hi = r * 4, (r + 1) * 4
+    sparse = []
+    for s in range(steps):
+        sparse.append(bool(distributed_step(mine, ids[s, lo:hi], feats[s, lo:hi], target[s, lo:hi])))
+        single_step(reference, ids[s], feats[s], target[s])
+    return [v.numpy() for v in mine], [v.numpy() for v in reference], sparse
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_distributed_gradient_tape_equals_one_process(ranks, mode):
+    results = ranks("mpi", 2, TF_ENV).run(training_body, mode, 3, timeout=120)
+    for mine, reference, sparse in results:
+        assert all(sparse)  # the embedding's gradient stayed IndexedSlices (gathered, as Horovod does)
+        for got, want in zip(mine, reference):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    for got, want in zip(results[0][0], results[1][0]):
+        np.testing.assert_array_equal(got, want)
+
+
+def partial_tape_body(comm):
+    import keras
+    import tensorflow as tf
+
+    import hpdl.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    shared = keras.layers.Dense(2, kernel_initializer="ones")
+    local = keras.layers.Dense(1, kernel_initializer="ones")
+    x = tf.fill([1, 3], float(r + 1))
+    local(shared(x))
+    variables = shared.trainable_weights + local.trainable_weights
+
+    def partial():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(local(shared(x)))
+        tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local])
+        return tape.gradient(loss, variables)
+
+    def own():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(local(shared(x)))
+        return tape.gradient(loss, variables)
+
+    # eagerly, and traced (how a train step runs)
+    runs = [partial(), tf.function(partial)()]
+    grads = [[g.numpy() for g in grads] for grads in runs], [g.numpy() for g in own()], n
+    local.kernel.assign(tf.fill([2, 1], float(r + 5)))  # Keras 3 variables (not tf.Variable) broadcast too
+    hvd.broadcast_variables(local.variables, root_rank=1)
+    return (*grads, local.kernel.numpy())
+
+
+def test_partial_distributed_gradient_tape(ranks):
+    results = ranks("mpi", 2, TF_ENV).run(partial_tape_body, timeout=120)
+    owns = [own for _, own, _, _ in results]
+    for runs, own, n, kernel in results:
+        np.testing.assert_array_equal(kernel, np.full((2, 1), 6.0))
+        for grads in runs:
+            np.testing.assert_allclose(grads[0], (owns[0][0] + owns[1][0]) / 2)  # shared kernel: averaged
+            np.testing.assert_allclose(grads[2], own[2] / n)  # local kernel: its own, scaled by 1/size (Horovod)
+    assert not np.allclose(results[0][0][0][2], results[1][0][0][2])
+
+
+# --------------------------------------------------------------------------- mismatches
+def mismatch_body(comm, case):
+    import tensorflow as tf
+
+    import hpdl.tensorflow as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    if case == "shape":
+        hvd.allreduce(tf.ones([3 + r]))
+    elif case == "op_in_function":
+
+        @tf.function
+        def step(t):
+            return hvd.allreduce(t) if r == 0 else hvd.allgather(t)
+
+        step(tf.ones([2]))
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["shape", "op_in_function"])
+def test_mismatch_ends_in_a_clear_error(ranks, case):
+    pool = ranks("mpi", 2, TF_ENV)
+    results = pool.run(mismatch_body, case, timeout=60, expect_errors=True)
+    for r, res in enumerate(results):
+        assert isinstance(res, RankError), f"rank {r}: {res}"
+        if case == "shape":
+            assert res.type_name == "HorovodInternalError"  # a tf.errors.FailedPreconditionError, as Horovod's
+            assert "mismatched shape" in res.message and "(3,)" in res.message and "(4,)" in res.message
+        else:
+            assert "allreduce" in res.message and "allgather" in res.message
+    assert pool.run(collectives_ok_body, timeout=60) == [[2.0, 2.0]] * 2  # the ranks are still in step
+
+
+def collectives_ok_body(comm):
+    import tensorflow as tf
+
+    import hpdl.tensorflow as hvd
+
+    return hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy().tolist()
