@@ -42,6 +42,7 @@ from hpdl.bench import report
 from hpdl.bench import strategy_harness as harness
 from hpdl.bench import train_zero_composed as composed
 from hpdl.bench.arguments import positive
+from hpdl.bench.live_tensors import live_bytes
 from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["launch", "main", "CONTENDERS"]
@@ -268,22 +269,6 @@ def run_steps(c: Contender, batches: list, steps: int, probe: Optional[Callable[
 
 
 # --------------------------------------------------------------------------- memory phase
-def live_bytes() -> dict[int, int]:
-    """data_ptr -> bytes of every storage of a live tensor object (CPU)."""
-    import torch
-
-    out = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            try:
-                storage = obj.untyped_storage()
-                if storage.device.type != "meta" and storage.nbytes():
-                    out[storage.data_ptr()] = storage.nbytes()
-            except Exception:  # wrapper subclasses (DTensor) hold their data in a local tensor, counted itself
-                continue
-    return out
-
-
 def measure_memory(name: str, model_name: str, mpi: Any, gloo: Any, plain_mpi: Any, bucket_mb: float) -> dict:
     from torch import nn
 

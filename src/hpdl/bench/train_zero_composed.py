@@ -32,6 +32,7 @@ import numpy as np
 
 from hpdl.bench import report
 from hpdl.bench import strategy_harness as harness
+from hpdl.bench.live_tensors import live_bytes
 from hpdl.bench.strategy_harness import Options, Ranks
 
 __all__ = ["COMPOSED", "RANKS", "sizes", "run"]
@@ -145,7 +146,6 @@ def peak_memory(name: str, world: Any, size: dict[str, int], data: tuple[Any, An
     from torch import nn
 
     from hpdl.bench.train_hybrid import model_state_bytes
-    from hpdl.bench.train_zero import live_bytes
 
     gc.collect()
     before = live_bytes()
