@@ -94,6 +94,12 @@ def test_a_rank_killed_from_outside_is_named_and_the_others_say_where_they_stopp
     assert not [noise for noise in FAILURE_NOISE if noise in output], output
 
 
+def _default_sigint() -> None:
+    """The launcher as a terminal starts it: a suite run in the background of a non-interactive shell (CI's or a
+    developer's `make test &`) inherits SIGINT ignored, which the launcher rightly keeps ignoring."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM])
 def test_a_launcher_stopped_by_a_signal_stops_every_rank_and_leaves_no_shared_memory(sent):
     job = subprocess.Popen(
@@ -102,6 +108,7 @@ def test_a_launcher_stopped_by_a_signal_stops_every_rank_and_leaves_no_shared_me
         stderr=subprocess.STDOUT,
         text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
+        preexec_fn=_default_sigint,
     )
     assert job.stdout is not None
     lines = []

@@ -5,7 +5,9 @@
 It writes a temporary folder with Horovod's test files (read from the git directory with `git show`, never
 changed) and a small re-exporting `horovod` package: `horovod.tensorflow` is `hpdl.tensorflow`,
 `horovod.tensorflow.keras` is `hpdl.keras` when that exists, `horovod.runner.util.threads.in_thread` and a
-`mock` module are the two helpers Horovod's test utilities import. Each file runs under
+`mock` module and `horovod.common.util.is_version_greater_equal_than` are the helpers Horovod's test utilities
+import (`horovod.keras` is `hpdl.keras` too). Its Keras file needs `pip install parameterized` (not a project
+dependency). Each file runs under
 `mpiexec -n K python -m pytest` from that folder; the counts of every rank are printed, and each failure's
 reason is read from rank 0's report.
 """
@@ -44,7 +46,14 @@ SHIM = {
         "    thread.start()\n"
         "    return thread\n"
     ),
-    "mock.py": "from unittest.mock import *  # noqa: F401,F403\n",
+    "mock.py": "from unittest.mock import *  # noqa: F401,F403\n\nversion_info = (5, 1, 0)  # parameterized reads it\n",
+    "horovod/keras/__init__.py": "from hpdl.keras import *  # noqa: F401,F403\n",
+    "horovod/common/__init__.py": "",
+    "horovod/common/util.py": (
+        "from packaging import version\n\n\n"
+        "def is_version_greater_equal_than(ver, target):\n"
+        "    return version.parse(ver) >= version.parse(target)\n"
+    ),
 }
 
 FILES = ["test/parallel/base_test_tensorflow.py", "test/utils/common.py"]
