@@ -306,6 +306,110 @@ def test_keras_pipeline_on_two_stages_equals_one_process(ranks, schedule):
         assert r["losses"] == results[0]["losses"]
 
 
+# ------------------------------------------------------------------ worker-local variables and elastic state
+def local_parts_body(comm: Any, traced: bool = False) -> dict:
+    """PartialDistributedOptimizer, BroadcastGlobalVariablesCallback(local_variables=) and elastic.KerasState, with
+    rank-dependent values whose right results are exact in float64."""
+    import hpdl.keras as hvd
+
+    keras = keras_setup("float64")
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out: dict = {}
+    # The optimizer: gradient (r + 1) everywhere; SGD(1.0) makes each update the applied gradient.
+    for passes in (1, 2):
+        model = make_model(keras)
+        local = model.layers[:1]
+        opt = hvd.PartialDistributedOptimizer(
+            keras.optimizers.SGD(1.0), local_layers=local, backward_passes_per_step=passes, name=f"partial{passes}"
+        )
+        variables = model.trainable_variables
+        before = [np.array(v.numpy()) for v in variables]
+        grads = [keras.ops.full(v.shape, float(r + 1), dtype="float64") for v in variables]
+        opt.build(variables)
+        apply = _applier(opt, variables)
+        if traced:
+            import tensorflow as tf
+
+            apply = tf.function(apply)
+        for _ in range(passes):
+            apply(grads)
+        out[f"steps{passes}"] = [float(np.max(b - v.numpy())) - float(np.min(b - v.numpy()))
+                                 for b, v in zip(before, variables)]  # fmt: skip
+        out[f"step{passes}"] = [float(np.mean(b - v.numpy())) for b, v in zip(before, variables)]
+        out["n_local"] = len(local[0].trainable_weights)
+    # A scalar variable, updated eagerly (on TensorFlow a 0-d tensor through the bridge).
+    scalar = keras.Variable(1.0, dtype="float64")
+    scalar_opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="scalar")
+    scalar_opt.apply([keras.ops.convert_to_tensor(float(r + 1), dtype="float64")], [scalar])
+    out["scalar"] = float(scalar.numpy())
+    try:
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=["dense"])
+    except ValueError as exc:
+        out["bad_layer"] = str(exc)
+    # The broadcast: every weight is the rank's number; the first layer's stay local.
+    model = make_model(keras, shift=0.0)
+    model.set_weights([np.full(w.shape, float(r)) for w in model.get_weights()])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=mean_loss(keras))
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(
+        root_rank=n - 1, local_variables=model.layers[0].variables
+    )
+    callback.set_model(model)
+    callback.on_train_begin()
+    out["after_broadcast"] = [float(np.unique(w)[0]) if np.unique(w).size == 1 else None for w in model.get_weights()]
+    # Elastic: sync takes rank 0's weights and attributes; restore returns to the last commit.
+    model.set_weights([np.full(w.shape, float(r + 1)) for w in model.get_weights()])
+    state = hvd.elastic.KerasState(model, batch=20 + r, epoch=10 + r)
+    state.sync()
+    synced = [float(np.max(np.abs(w - 1.0))) for w in model.get_weights()]
+    out["synced"] = (max(synced), state.batch, state.epoch)
+    model.set_weights([w * 0 + 7.0 for w in model.get_weights()])
+    state.batch = 21
+    state.restore()
+    out["restored"] = (float(np.max(np.abs(model.get_weights()[0] - 1.0))), state.batch)
+    commit = hvd.elastic.CommitStateCallback(state, batches_per_commit=2)
+    model.set_weights([w * 0 + 7.0 for w in model.get_weights()])
+    state.batch = 22
+    commit.on_train_batch_end(0)  # not yet: every 2 batches
+    state.restore()
+    out["uncommitted"] = (float(model.get_weights()[0].flat[0]), state.batch)
+    model.set_weights([w * 0 + 7.0 for w in model.get_weights()])
+    state.batch = 22
+    commit.on_train_batch_end(0)
+    commit.on_train_batch_end(1)
+    state.restore()
+    out["committed"] = (float(model.get_weights()[0].flat[0]), state.batch)
+    return out
+
+
+def _applier(opt: Any, variables: list) -> Any:
+    """`apply(grads)` with the variables in its closure: as tf.function arguments they would be traced as tensors."""
+    return lambda grads: opt.apply(grads, variables)
+
+
+def check_local_parts(results: list[dict]) -> None:
+    n = len(results)
+    for r, res in enumerate(results):
+        k = res["n_local"]
+        for passes in (1, 2):
+            assert max(res[f"steps{passes}"]) < 1e-12  # one number per variable (w - (w - g) rounds)
+            # Local variables: this rank's gradient / size (Horovod's scale_local_gradients); the others: the average.
+            # With 2 passes Horovod sums them (average_aggregated_gradients=False).
+            expected = [passes * (r + 1) / n] * k + [passes * (n + 1) / 2] * (len(res[f"step{passes}"]) - k)
+            np.testing.assert_allclose(res[f"step{passes}"], expected, rtol=0, atol=1e-12)
+        assert res["scalar"] == 1.0 - (n + 1) / 2
+        assert "keras.layers.Layer" in res["bad_layer"] and "str" in res["bad_layer"]
+        assert res["after_broadcast"] == [float(r)] * 2 + [float(n - 1)] * 4  # first layer's kernel and bias kept
+        assert res["synced"] == (0.0, 20, 10)
+        assert res["restored"] == (0.0, 20)
+        assert res["uncommitted"] == (1.0, 20)
+        assert res["committed"] == (7.0, 22)
+
+
+def test_local_variables_partial_optimizer_and_elastic_state(ranks):
+    check_local_parts(ranks("mpi", 2, env=TORCH).run(local_parts_body, timeout=120))
+
+
 # ------------------------------------------------------------------------------------------------------- failures
 def different_models_body(comm: Any) -> str:
     import hpdl.keras as hvd

@@ -14,7 +14,18 @@ if importlib.util.find_spec("keras") is None or importlib.util.find_spec("tensor
         "Keras or TensorFlow is not installed (requirements-dev.txt: Python 3.11 to 3.13)", allow_module_level=True
     )
 
-from test_keras import bench_body, check_bench_report, check_dp, data, dp_fit_body, keras_setup, make_model, mean_loss
+from test_keras import (
+    bench_body,
+    check_bench_report,
+    check_dp,
+    check_local_parts,
+    data,
+    dp_fit_body,
+    keras_setup,
+    local_parts_body,
+    make_model,
+    mean_loss,
+)
 
 TF = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
@@ -33,6 +44,11 @@ def test_two_ranks_fit_their_slices_as_one_process_fits_every_batch(ranks, dtype
     results = ranks("mpi", 2, env=TF).run(dp_fit_body, dtype, eager, passes, timeout=300)
     check_dp(results, tolerance)
     assert not any(r["jit"] for r in results)  # jit_compile="auto" resolved to the non-XLA step
+
+
+def test_local_variables_partial_optimizer_and_elastic_state_in_a_traced_step(ranks):
+    """The local gradients are told apart inside a tf.function too (the variables are Python-side while tracing)."""
+    check_local_parts(ranks("mpi", 2, env=TF).run(local_parts_body, True, timeout=300))
 
 
 def jit_and_pipeline_body(comm: Any) -> dict:

@@ -42,7 +42,7 @@ from hpdl.horovod import (
     shutdown,
     size,
 )
-from hpdl.keras import callbacks
+from hpdl.keras import callbacks, elastic
 from hpdl.keras.compression import Compression, Compressor
 from hpdl.keras.distribution import keras_data_parallel
 from hpdl.keras.functions import (
@@ -53,7 +53,7 @@ from hpdl.keras.functions import (
     broadcast_variables,
     load_model,
 )
-from hpdl.keras.optimizer import DistributedOptimizer
+from hpdl.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from hpdl.keras.pipeline import PipelineModel
 
 __all__ = [
@@ -85,6 +85,7 @@ __all__ = [
     "Compression",
     "Compressor",
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "allreduce",
     "allgather",
     "broadcast",
@@ -94,6 +95,7 @@ __all__ = [
     "allgather_object",
     "load_model",
     "callbacks",
+    "elastic",
     "keras_data_parallel",
     "PipelineModel",
 ]

@@ -32,21 +32,43 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Horovod broadcasts at the end of the first batch because Keras 2 built
     optimizer slots lazily; here the optimizer is built first and the
     broadcast runs before the first batch, so the first step is already the
-    one process's first step.
+    one process's first step. `local_variables` (or `register_local_var`)
+    name model variables that keep each rank's own value (Horovod's
+    worker-local variables); the optimizer's state is broadcast whole.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "", process_set: Optional[ProcessSet] = None):
+    def __init__(
+        self,
+        root_rank: int = 0,
+        device: str = "",
+        process_set: Optional[ProcessSet] = None,
+        local_variables: Any = None,
+    ):
         super().__init__()
         self.root_rank = root_rank
         self.process_set = process_set
         self.broadcast_done = False
+        self._local_vars: set[int] = set()
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        for var in local_variables:
+            self.register_local_var(var)
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep `var` (a model variable) out of the broadcast: each rank keeps its own value."""
+        if not _is_variable(var):
+            raise ValueError(f"local_variables holds variables (model.layers[i].variables), got {type(var).__name__}")
+        self._local_vars.add(id(var))
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.broadcast_done:
             return
         model = self.model
         optimizer = getattr(model, "optimizer", None)
-        variables = list(model.weights)
+        # A Keras variable, or on TensorFlow the tf.Variable inside it, names a local one.
+        variables = [v for v in model.weights if not {id(v), id(getattr(v, "_value", None))} & self._local_vars]
         if optimizer is not None:
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
@@ -55,6 +77,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             variables, self.root_rank, name="BroadcastGlobalVariablesCallback", process_set=self.process_set
         )
         self.broadcast_done = True
+
+
+def _is_variable(value: Any) -> bool:
+    if isinstance(value, keras.Variable):
+        return True
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return isinstance(value, tf.Variable)
+    return False
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

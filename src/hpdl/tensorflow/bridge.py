@@ -76,7 +76,8 @@ def to_numpy(t: Any) -> np.ndarray:
         t = t.value()
     if not isinstance(t, tf.Tensor):
         t = tf.convert_to_tensor(t)
-    return t._numpy()  # the buffer itself on CPU; .numpy() would copy it
+    a = t._numpy()  # the buffer itself on CPU; .numpy() would copy it
+    return a if isinstance(a, np.ndarray) else np.asarray(a)  # a 0-d tensor gives a NumPy scalar
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
