@@ -77,10 +77,12 @@ def validate(X: Any, *, dtype: Sequence[Any], allow_empty: bool, estimator: str,
 
 
 def _numpy_name(dtype: torch.dtype) -> Any:
-    """NumPy's dtype of a torch dtype, or None for one NumPy lacks (bfloat16, float8): converted like any other."""
+    """NumPy's dtype of a torch dtype, or None for one torch cannot hand to NumPy (bfloat16, float8), converted
+    like any other. Asked of torch itself: with ml_dtypes installed (TensorFlow brings it) NumPy knows a
+    "bfloat16" by name, but `Tensor.numpy()` still refuses it."""
     try:
-        return numpy_dtype(dtype)
-    except TypeError:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
         return None
 
 
