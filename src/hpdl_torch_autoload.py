@@ -8,12 +8,14 @@ that fails at import cannot reach it) and catches everything. It does not import
 a program that never asks for hpdl leaves os.environ, torch's rendezvous handlers and Open MPI's settings as
 they were (`import hpdl` would choose Open MPI defaults and teach env:// to meet over MPI).
 
-- torch >= 2.14 looks "hpdl" up in the "torch.distributed.backends" entry points itself when a group of that
-  backend is made (`Backend._ensure_backend_registered`): nothing to do here.
-- Older torch only knows the names registered before `init_process_group` runs: "hpdl" is registered with a
-  creator that imports hpdl on first use, and `Backend.HPDL` becomes a hook that imports hpdl (which registers
-  for real) when torch reads it, that is when `init_process_group("hpdl")` or `new_group(backend="hpdl")` starts,
-  before its rendezvous: under a plain `mpiexec` (no MASTER_ADDR) env:// then meets over MPI as before.
+- On every torch `Backend.HPDL` becomes a hook that imports hpdl (which registers for real) when torch reads it,
+  that is when `init_process_group("hpdl")` or `new_group(backend="hpdl")` starts (`Backend("hpdl")`), before
+  its rendezvous: under a plain `mpiexec` (no MASTER_ADDR) env:// then meets over MPI. That attribute is the
+  one change `import torch` makes. torch >= 2.14 would find "hpdl" by itself in the
+  "torch.distributed.backends" entry points, but only after the env:// rendezvous has failed for want of
+  MASTER_ADDR.
+- Older torch only knows the names registered before `init_process_group` runs: "hpdl" is also registered by
+  name, with a creator that imports hpdl on first use.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ _failed: list[str] = []
 
 
 def autoload() -> None:
-    """The "torch.backends" entry point (inside `import torch`): register "hpdl" by name, lazily; never raise."""
+    """The "torch.backends" entry point (inside `import torch`): "hpdl" on request, lazily; never raise."""
     try:
         import torch.distributed as dist
 
         if not dist.is_available():
             return
         backend = dist.Backend
-        if hasattr(backend, "_ensure_backend_registered") or NAME in backend.backend_list:
-            return  # torch >= 2.14 loads "torch.distributed.backends" when asked; or hpdl registered already
-        backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
+        if NAME in backend.backend_list:
+            return  # hpdl registered already
+        if not hasattr(backend, "_ensure_backend_registered"):  # torch < 2.14: no entry-point group to find it
+            backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
         type.__setattr__(backend, NAME.upper(), _OnRequest())
     except Exception as error:  # noqa: BLE001 - torch's import must survive anything here
         _warn(f"hpdl's torch.distributed backend is not registered ({type(error).__name__}: {error})")
