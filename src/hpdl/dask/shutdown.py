@@ -42,24 +42,6 @@ HEARTBEAT_WAIT = 10.0
 """Seconds a closing worker waits for a heartbeat in flight (one round trip to a live scheduler)."""
 
 
-SETTLE_WAIT = 2.0
-"""Seconds the scheduler waits for its messages to the workers to leave before it asks them to close."""
-
-
-async def settled(scheduler: Any, timeout: float) -> None:
-    """Wait (bounded) until the scheduler holds no task and its streams to the workers have sent what they
-    buffered. A job whose script failed leaves tasks behind: the scheduler releases them with messages to the
-    workers ("free-keys"), and a worker that closed its stream before such a message was written made
-    distributed log `Batched Comm Closed ... write on a closed comm` (its BatchedSend writes a buffer it filled
-    before the stream ended)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        streams = list(getattr(scheduler, "stream_comms", {}).values())
-        if not scheduler.tasks and not any(getattr(stream, "buffer", None) for stream in streams):
-            return
-        await asyncio.sleep(0.01)
-
-
 class WorkersLeaveFirst(SchedulerPlugin):  # type: ignore[misc]
     """Before the scheduler closes: every worker closes itself and leaves (bounded by `timeout` seconds)."""
 
@@ -71,7 +53,6 @@ class WorkersLeaveFirst(SchedulerPlugin):  # type: ignore[misc]
 
     async def before_close(self) -> None:
         scheduler = self.scheduler
-        await settled(scheduler, min(SETTLE_WAIT, self.timeout))
         for address in list(scheduler.workers):
             scheduler.close_worker(address)  # "close" on the worker's stream, which stays open
         deadline = time.monotonic() + self.timeout
