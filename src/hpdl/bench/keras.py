@@ -19,7 +19,7 @@ same data order and the same global batch:
                    the MPI ranks), and they run all its rounds after the others'.
 
 On TensorFlow the report also gives the per-step cost of
-hpdl.tensorflow's py_function bridge: the model's gradients reduced by a
+hpdl.tensorflow's numpy_function bridge: the model's gradients reduced by a
 `tf.function` through the bridge, against the same sizes through the
 torch engine directly.
 
@@ -442,7 +442,7 @@ def table(records: list[dict[str, Any]]) -> tuple[str, list[str], list[str]]:
             extra = (r["bridge_s"] - r["direct_s"]) * 1e3
             notes.append(
                 f"TF bridge, {r['model']} model's gradients: {r['bridge_s'] * 1e3:.2f} ms per step through the "
-                f"py_function in a tf.function, {r['direct_s'] * 1e3:.2f} ms through the torch engine directly: "
+                f"numpy_function in a tf.function, {r['direct_s'] * 1e3:.2f} ms through the torch engine directly: "
                 f"{extra:+.2f} ms per step for the bridge"
             )
     return report.markdown_table(HEADERS, rows, right_align_from=3), verdicts, notes
