@@ -540,7 +540,8 @@ def markdown(outcome: Outcome) -> str:
         best,
         "",
         f"predicted within 25% of measured: {share:.0%} of plans (target >= 80%); predicted best within 10% of "
-        f"the measured best: {'yes' if outcome.best_ok else 'no'} in every group"
+        f"the measured best in {sum(g['best_within_10'] is True for g in outcome.groups)} of "
+        f"{sum(g['best_within_10'] is not None for g in outcome.groups)} groups (target >= 75%)"
         if share == share
         else "no plan was measured",
     ]
