@@ -239,6 +239,27 @@ def measure_collectives(ranks: int = 2, quick: bool = False, timeout: float = 30
 
 
 # --------------------------------------------------------------------------- every rank busy at once
+def _concurrent_rates(comm: Any, matmul: int, window: float) -> dict[str, float]:
+    """FLOP/s by dtype of the slowest rank while every rank of `comm` multiplies matrices (one thread each) for the
+    same window of time, so that all of them run at once (ranks that share cores each get their share)."""
+    import torch
+
+    torch.set_num_threads(1)
+    rates = {}
+    for name, attr in DTYPES.items():
+        dtype = getattr(torch, attr)
+        a = torch.randn(matmul, matmul).to(dtype)
+        b = torch.randn(matmul, matmul).to(dtype)
+        torch.mm(a, b)
+        comm.barrier()
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < window:
+            torch.mm(a, b)
+            count += 1
+        rates[name] = min(comm.allgather_object(2.0 * matmul**3 * count / (time.perf_counter() - start)))
+    return rates
+
+
 def _worker_busy(out: str, matmul: int, window: float) -> None:
     """On every rank of the job: the matmul rate and the fixed cost per operator while every rank computes at
     once (ranks that share cores each get their share); rank 0 writes the slowest rank's, as JSON."""
@@ -248,19 +269,7 @@ def _worker_busy(out: str, matmul: int, window: float) -> None:
 
     comm = hpdl.init("mpi")
     try:
-        torch.set_num_threads(1)
-        rates = {}
-        for name, attr in DTYPES.items():
-            dtype = getattr(torch, attr)
-            a = torch.randn(matmul, matmul).to(dtype)
-            b = torch.randn(matmul, matmul).to(dtype)
-            torch.mm(a, b)
-            comm.barrier()
-            count, start = 0, time.perf_counter()
-            while time.perf_counter() - start < window:
-                torch.mm(a, b)
-                count += 1
-            rates[name] = min(comm.allgather_object(2.0 * matmul**3 * count / (time.perf_counter() - start)))
+        rates = _concurrent_rates(comm, matmul, window)
         w = torch.ones(4, requires_grad=True)
         x = torch.randn(1, 4)
         comm.barrier()
@@ -366,19 +375,7 @@ def _worker_hosts(out: str, sizes: Sequence[int], reps: int, matmul: int, window
         results["world_allreduce"] = world
         # the rate each rank computes at while every rank of the job does (hosts may share cores): every rank
         # multiplies for the same window of time, so that all of them run at once
-        torch.set_num_threads(1)
-        rates = {}
-        for name, attr in DTYPES.items():
-            dtype = getattr(torch, attr)
-            a = torch.randn(matmul, matmul).to(dtype)
-            b = torch.randn(matmul, matmul).to(dtype)
-            torch.mm(a, b)
-            comm.barrier()
-            count, start = 0, time.perf_counter()
-            while time.perf_counter() - start < window:
-                torch.mm(a, b)
-                count += 1
-            rates[name] = min(comm.allgather_object(2.0 * matmul**3 * count / (time.perf_counter() - start)))
+        rates = _concurrent_rates(comm, matmul, window)
         results["concurrent_flops"] = rates
         if comm.rank == 0:
             with open(out, "w") as fh:
