@@ -27,6 +27,7 @@ def keras_setup(dtype: str) -> Any:
     import keras
 
     keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)  # (the policy keeps the floatx of the first layer built in the process)
     return keras
 
 

@@ -249,8 +249,61 @@ def test_mismatch_ends_in_a_clear_error(ranks, case):
             assert res.type_name == "HorovodInternalError"  # a tf.errors.FailedPreconditionError, as Horovod's
             assert "mismatched shape" in res.message and "(3,)" in res.message and "(4,)" in res.message
         else:
+            assert res.type_name == "FailedPreconditionError"  # from the graph's HpdlStatus op, as Horovod's
             assert "allreduce" in res.message and "allgather" in res.message
     assert pool.run(collectives_ok_body, timeout=60) == [[2.0, 2.0]] * 2  # the ranks are still in step
+
+
+def graph_errors_body(comm):
+    import os
+    import tempfile
+    import warnings
+
+    import tensorflow as tf
+
+    import hpdl.tensorflow as hvd
+
+    hvd.init()
+    r = hvd.rank()
+
+    def outcome(fn, *args):
+        try:
+            fn(*args)
+            return "no error"
+        except Exception as exc:  # noqa: BLE001 - the class is what is tested
+            return type(exc).__name__, getattr(exc, "message", str(exc))
+
+    out = {
+        "shape": outcome(tf.function(lambda: hvd.allreduce(tf.ones([3 + r])))),
+        "argument": outcome(tf.function(lambda: hvd.alltoall(tf.ones([3]), splits=[2, 2]))),
+    }
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:  # a TF1 graph, as Horovod's graph-mode tests
+        out["session"] = outcome(session.run, hvd.allgather(tf.ones([2, 1 + r])))
+    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "CXX")}
+    with tempfile.TemporaryDirectory() as cache, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        os.environ.update(XDG_CACHE_HOME=cache, CXX="hpdl-no-such-compiler")  # the op cannot be built
+        try:
+            out["no_op"] = outcome(tf.function(lambda: hvd.allreduce(tf.ones([3 + r]))))
+        finally:
+            os.environ.update({k: v for k, v in saved.items() if v is not None})
+            for k in (k for k, v in saved.items() if v is None):
+                del os.environ[k]
+        out["warned"] = [str(w.message) for w in caught]
+    return out
+
+
+def test_graph_errors_have_horovods_classes(ranks):
+    """Inside tf.function and TF1 sessions hpdl's errors keep their class (FailedPreconditionError where ranks
+    disagree, InvalidArgumentError for bad arguments) and message; without a compiler they are UnknownError."""
+    pool = ranks("mpi", 2, TF_ENV)
+    for out in pool.run(graph_errors_body, timeout=120):
+        assert out["shape"][0] == "FailedPreconditionError" and "mismatched shape" in out["shape"][1]
+        assert out["argument"][0] == "InvalidArgumentError" and "splits" in out["argument"][1]
+        assert out["session"][0] == "FailedPreconditionError" and "mismatched shape" in out["session"][1]
+        assert out["no_op"][0] == "UnknownError" and "mismatched shape" in out["no_op"][1]
+        assert any("HpdlStatus op is not available" in w and "hpdl-no-such-compiler" in w for w in out["warned"])
+    assert pool.run(collectives_ok_body, timeout=60) == [[2.0, 2.0]] * 2
 
 
 def collectives_ok_body(comm):
@@ -259,3 +312,59 @@ def collectives_ok_body(comm):
     import hpdl.tensorflow as hvd
 
     return hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy().tolist()
+
+
+# --------------------------------------------------------------------------- SyncBatchNormalization
+def sync_batch_norm_body(comm, steps):
+    """Dense -> SyncBatchNormalization -> Dense in float64, `steps` SGD steps eagerly and in tf.function: rank r
+    fits rows of its own count (4 (r + 1): unequal shares) of every global batch with DistributedGradientTape;
+    one process fits the whole batch with Keras' BatchNormalization. Returns the largest difference of any
+    weight (moving statistics included) per mode, and the output on a rank's slice in inference."""
+    import keras
+    import tensorflow as tf
+
+    import hpdl.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    sizes = [4 * (k + 1) for k in range(n)]
+    lo, hi, batch = sum(sizes[:r]), sum(sizes[: r + 1]), sum(sizes)
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(3.0, 2.0, (steps, batch, 4)), rng.normal(size=(steps, batch, 1))
+
+    def model(norm):
+        keras.utils.set_random_seed(1)  # the same Dense weights in both models
+        layers = [keras.layers.Dense(3, dtype="float64"), norm(momentum=0.5, dtype="float64")]
+        return keras.Sequential([keras.Input((4,), dtype="float64"), *layers, keras.layers.Dense(1, dtype="float64")])
+
+    def fit(m, distributed, mode):
+        def step(x, y):
+            with tf.GradientTape() as tape:  # the global batch's mean loss: this rank's share of its sum, times n
+                loss = tf.reduce_sum((m(x, training=True) - y) ** 2) / batch * (n if distributed else 1)
+            if distributed:
+                tape = hvd.DistributedGradientTape(tape)
+            for v, g in zip(m.trainable_variables, tape.gradient(loss, m.trainable_variables)):
+                v.assign_sub(0.1 * g)
+
+        step = tf.function(step) if mode == "function" else step
+        for s in range(steps):
+            step(xs[s, lo:hi], ys[s, lo:hi]) if distributed else step(xs[s], ys[s])
+        return m
+
+    out = {}
+    for mode in ("eager", "function"):
+        mine = fit(model(hvd.SyncBatchNormalization), True, mode)
+        reference = fit(model(keras.layers.BatchNormalization), False, mode)
+        out[mode] = max(float(np.max(np.abs(a.numpy() - b.numpy()))) for a, b in zip(mine.weights, reference.weights))
+        out[f"{mode}_moved"] = float(np.max(np.abs(mine.layers[1].moving_mean.numpy())))
+    x = xs[0, lo:hi]
+    out["inference"] = float(np.max(np.abs(mine(x, training=False).numpy() - reference(x, training=False).numpy())))
+    return out
+
+
+def test_sync_batch_normalization_equals_one_process_on_the_whole_batch(ranks):
+    for out in ranks("mpi", 2, TF_ENV).run(sync_batch_norm_body, 3, timeout=120):
+        for mode in ("eager", "function"):
+            assert out[f"{mode}_moved"] > 0.1  # the moving statistics were updated (from the global batch)
+            assert out[mode] < 1e-12, out
+        assert out["inference"] < 1e-12

@@ -3,10 +3,11 @@
     python tests/scripts/tf_bridge_cost.py              # one process (the self backend)
     mpiexec -n 2 python tests/scripts/tf_bridge_cost.py # two ranks
 
-Medians of microseconds per call: a tf.function that does nothing, one with a `tf.numpy_function` (the bridge's
-node) or a `tf.py_function` around an identity, `hvd.allreduce` of 4 floats eagerly and inside tf.function, the
-same allreduce through `hpdl.horovod` (torch) and the raw communicator; and the conversions of a 4 MB tensor
-(a NumPy view or a copy out of TensorFlow, DLPack or a copy into it).
+Medians of microseconds per call: a tf.function that does nothing, one with a `tf.numpy_function` around an
+identity, alone or with the HpdlStatus op after it (the bridge's node and its error op: `status_op`), or a
+`tf.py_function`; `hvd.allreduce` of 4 floats eagerly and inside tf.function, the same allreduce through
+`hpdl.horovod` (torch) and the raw communicator; and the conversions of a 4 MB tensor (a NumPy view or a copy
+out of TensorFlow, DLPack or a copy into it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 import hpdl  # noqa: E402
 import hpdl.horovod as hvd_torch  # noqa: E402
 import hpdl.tensorflow as hvd  # noqa: E402
+from hpdl.tensorflow import status_op  # noqa: E402
 
 
 def timed(fn, calls: int = 200, repeats: int = 5) -> float:
@@ -45,6 +47,12 @@ def main() -> None:
     big_torch = torch.ones(1024, 1024)
     comm = hpdl.world()
 
+    lib = status_op.library()
+
+    def with_status(t):  # the bridge's node: the callback's outputs and status, then the op that raises it
+        y, status = tf.numpy_function(lambda a: (a, b""), [t], [tf.float32, tf.string], stateful=True)
+        return lib.hpdl_status(status, [y])[0] if lib is not None else y
+
     def graph(fn):  # a tf.function of one argument, called on `small`
         compiled = tf.function(fn)
         return lambda: compiled(small)
@@ -54,6 +62,7 @@ def main() -> None:
         "tf.function + numpy_function (identity)": timed(
             graph(lambda t: tf.numpy_function(lambda a: a, [t], tf.float32, stateful=True))
         ),
+        "tf.function + numpy_function + HpdlStatus (identity)": timed(graph(with_status)),
         "tf.function + py_function (identity)": timed(graph(lambda t: tf.py_function(lambda a: a, [t], tf.float32))),
         "hvd.allreduce eager (hpdl.tensorflow)": timed(lambda: hvd.allreduce(small)),
         "hvd.allreduce in tf.function (hpdl.tensorflow)": timed(graph(hvd.allreduce)),

@@ -149,6 +149,7 @@ __all__ = [
     "DistributedGradientTape",
     "PartialDistributedGradientTape",
     "DistributedOptimizer",
+    "SyncBatchNormalization",
     "start_timeline",
     "stop_timeline",
     "check_num_rank_power_of_2",
@@ -158,6 +159,15 @@ __all__ = [
     "_allreduce",
     "_grouped_allreduce",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`SyncBatchNormalization` is a Keras layer: Keras is imported when it is first asked for, not with hpdl."""
+    if name == "SyncBatchNormalization":
+        from hpdl.tensorflow.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def init(comm: Any = None, process_sets: Optional[Any] = None) -> None:

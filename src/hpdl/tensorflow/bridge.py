@@ -10,6 +10,8 @@ Eager code calls the engine directly. Inside `tf.function` (how `model.fit` runs
 order, the same order on every rank, which the engine's matching of unnamed operations needs. It hands the
 callback NumPy views, which the engine takes as they are (`tf.py_function` wraps them in EagerTensors; the
 per-call costs are in docs/keras.md). TF1 graphs get the same order from explicit control dependencies.
+The node's errors get their class from the small compiled op after it (`status_op`: FailedPreconditionError where
+ranks disagree, InvalidArgumentError for bad arguments); where that op cannot be built they are UnknownError.
 XLA cannot compile a Python callback: `jit_compile=True` is refused with a clear error.
 """
 
@@ -28,14 +30,15 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import control_flow_util
 
 from hpdl.horovod.basics import HorovodInternalError as _TorchHorovodInternalError
+from hpdl.tensorflow import status_op
 
 __all__ = ["HorovodInternalError", "run", "tf_errors", "to_torch", "to_numpy", "from_torch", "check_not_xla"]
 
 
 class HorovodInternalError(tf.errors.FailedPreconditionError, _TorchHorovodInternalError):
     """A collective failed (ranks disagree, or one is missing): TensorFlow's FailedPreconditionError, as Horovod
-    raises it, and hpdl's HorovodInternalError. Inside `tf.function` TensorFlow turns it into an UnknownError that
-    carries the same message (a Python callback cannot choose the error's class)."""
+    raises it, and hpdl's HorovodInternalError. Graph nodes raise it through the compiled HpdlStatus op
+    (`status_op`); without that op TensorFlow turns it into an UnknownError with the same message."""
 
     def __init__(self, message: str):
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
@@ -58,6 +61,8 @@ def check_not_xla(what: str) -> None:
 
 
 _BF16 = tf.bfloat16.as_numpy_dtype
+_OK = b""
+"""The status of a collective that succeeded (HpdlStatus passes the outputs through)."""
 
 _ONE_AT_A_TIME = threading.Lock()
 """TensorFlow may run independent graph nodes on several threads; the engine and MPI take one call at a time."""
@@ -137,21 +142,34 @@ def run(
             raise InvalidArgumentError(str(exc)) from exc
         return [from_torch(o, device, d) for o, d in zip(outs, out_dtypes)]
     check_not_xla(name)
+    lib = status_op.library()
 
-    def call(*arrays: np.ndarray) -> list[np.ndarray]:
+    def failed(code: int, exc: BaseException) -> list[Any]:
+        """Empty outputs and the status HpdlStatus raises (without the op: the exception, an UnknownError)."""
+        if lib is None:
+            raise _as_tf_error(exc) if code == status_op.FAILED_PRECONDITION else exc
+        return [*(np.empty((0,), d.as_numpy_dtype) for d in out_dtypes), f"{code}:{exc}".encode()]
+
+    def call(*arrays: np.ndarray) -> list[Any]:
         with _ONE_AT_A_TIME:
             try:
                 outs = fn([to_torch(a) for a in arrays])
             except _TorchHorovodInternalError as exc:
-                raise _as_tf_error(exc) from exc
-            return [torch_to_numpy(o, d) for o, d in zip(outs, out_dtypes)]
+                return failed(status_op.FAILED_PRECONDITION, exc)
+            except ValueError as exc:
+                return failed(status_op.INVALID_ARGUMENT, exc)
+            results = [torch_to_numpy(o, d) for o, d in zip(outs, out_dtypes)]
+        return results if lib is None else [*results, _OK]
 
     graph = tf_ops.get_default_graph()
     previous = None if isinstance(graph, FuncGraph) else _LAST_NODE.get(graph)
+    types = list(out_dtypes) if lib is None else [*out_dtypes, tf.string]
     with tf.control_dependencies([previous] if previous is not None else []):
-        results = tf.numpy_function(call, list(inputs), list(out_dtypes), stateful=True, name=f"hpdl_{name}")
-    if not isinstance(results, (list, tuple)):
-        results = [results]
+        results = tf.numpy_function(call, list(inputs), types, stateful=True, name=f"hpdl_{name}")
+        if not isinstance(results, (list, tuple)):
+            results = [results]
+        if lib is not None:
+            results = lib.hpdl_status(results[-1], list(results[:-1]), name=f"hpdl_{name}_status")
     if not isinstance(graph, FuncGraph) and results:
         _LAST_NODE[graph] = results[0].op
     for r, shape in zip(results, out_shapes):
