@@ -52,6 +52,7 @@ import numpy as np
 
 from hpdl.dask import frames as wire
 from hpdl.dask.doorbell import BellAddress, Doorbell
+from hpdl.dask.memory import keep_freed_memory
 from hpdl.dask.progress import Progress
 from hpdl.errors import HpdlError
 
@@ -235,6 +236,7 @@ class Hub:
         self._bells: dict[int, BellAddress] = {}
         """rank -> its doorbell, learnt at connection set-up."""
         self._bell_loop: Optional[asyncio.AbstractEventLoop] = None
+        keep_freed_memory()  # the inline copies on fresh pages cost more than the messages themselves
         self.progress = Progress(failure=_transport_failed)
         self.lock = self.progress.lock
         self.progress.in_flight = lambda: bool(self._arriving) or (self._retry_until == 0.0 and self._owed())
@@ -475,8 +477,8 @@ class Hub:
         if done or total <= self.inline:
             # MPI holds the bytes already, or the one buffer is this transport's own copy: the caller's frames are
             # free at once (like a socket's send buffer); the copy stays referenced until MPI has sent it
-            if not done:
-                self.progress.watch(requests, _nothing, keep=buffers)
+            if not done:  # polled at the back-off after this kick (its first tests come within microseconds)
+                self.progress.watch(requests, _nothing, keep=buffers, awaited=False)
                 self.progress.kick()
             if asyncio._get_running_loop() is loop:
                 future.set_result(total)  # awaited without a turn of the loop

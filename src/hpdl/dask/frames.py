@@ -55,7 +55,7 @@ def chunk_bytes() -> int:
 
 
 def inline_limit() -> int:
-    """Messages with at most this many frame bytes travel as one MPI message (HPDL_DASK_MPI_INLINE, 256 KiB)."""
+    """Messages with at most this many frame bytes travel as one MPI message (HPDL_DASK_MPI_INLINE, 4 MiB)."""
     return settings.number("HPDL_DASK_MPI_INLINE")
 
 
