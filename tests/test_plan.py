@@ -353,6 +353,11 @@ def test_devices_that_share_cores_slow_down_by_the_devices_per_core_that_compute
     assert CostModel(profile, shared, wl).estimate(dp2).step_s == pytest.approx(
         CostModel(profile, alone, wl).estimate(dp2).step_s
     )
+    # the busy total of 4 oversubscribed ranks (context switches included) says nothing of 2 ranks on 2 cores
+    lossy = replace(shared, node_flops={"fp32": 1.5e12})
+    assert CostModel(profile, lossy, wl).estimate(dp2).step_s == pytest.approx(
+        CostModel(profile, alone, wl).estimate(dp2).step_s
+    )
     # a pipeline's stages compute m / (m + p - 1) of the step: 4 x 4/7 ranks busy on 2 cores, 8/7 slower
     pp4 = Candidate(dp=1, pp=4, tp=1, micro_batches=4)
     assert CostModel(profile, shared, wl).busy(pp4) == pytest.approx(16 / 7)

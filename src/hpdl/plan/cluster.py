@@ -156,6 +156,9 @@ class Cluster:
         if rate is None:
             raise ClusterError(f"cluster {self.name!r} has no compute rate for {dtype!r} (it has {sorted(self.flops)})")
         rate *= self.efficiency
+        cores = (self.cores_per_device or 0.0) * self.devices_per_node
+        if active_per_node and active_per_node <= cores:
+            return rate  # a core for every busy device: its own rate (node_flops is the oversubscribed total)
         if self.node_flops and active_per_node:
             shared = self.node_flops.get(dtype, self.node_flops.get("fp32"))
             if shared:
