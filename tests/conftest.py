@@ -95,6 +95,8 @@ SHARED_POOLS = {
     "test_torch_backend_training.py": "torch-backend",
     "test_mesh.py": "mesh",  # both run their layouts on one 4-rank MPI pool
     "test_zero_hybrid.py": "mesh",
+    "test_keras_ranks.py": "mesh",  # Keras (torch backend) on the same 4 ranks
+    "test_plan_validate.py": "mesh",
     "test_tensorflow.py": "tensorflow",  # one pool of 2 TensorFlow ranks (KERAS_BACKEND=tensorflow) for both
     "test_keras_tf.py": "tensorflow",
 }

@@ -1,33 +1,37 @@
-"""hpdl.keras on 3 and 4 ranks, in one job of 4 ranks (Keras ranks cost seconds to start): data parallel on a
-process set of 3 ranks equals one process (float64 and float32, graph and eager), and a Keras model trained as a
-dp x pp = 2 x 2 pipeline equals one process (forward, gradients, 3 steps)."""
+"""hpdl.keras on 3 and 4 ranks, on the 4-rank pool of the mesh group (conftest.SHARED_POOLS: ranks cost seconds to
+start): data parallel on a process set of 3 ranks equals one process (float64 and float32, graph and eager), and a
+Keras model trained as a dp x pp = 2 x 2 pipeline equals one process (forward, gradients, 3 steps)."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
+from typing import Any
 
 import pytest
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("Keras is not installed (requirements-dev.txt: Python 3.11 to 3.13)", allow_module_level=True)
 
-from test_keras import TORCH_FLOAT64, check_dp
-
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "keras_ranks.py")
+from test_keras import TORCH_FLOAT64, check_dp, dp_fit_body, pipeline_body
 
 
-def test_three_rank_data_parallel_and_a_dp_by_pp_pipeline(tmp_path):
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "hpdl.cli.main", "launch", "-n", "4", SCRIPT, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+def keras_ranks_body(comm: Any) -> dict:
+    """On the 4 ranks of the mesh group's pool (no Keras imported there yet): Keras on the torch backend."""
+    import sys
+
+    if "keras" in sys.modules and os.environ.get("KERAS_BACKEND") != "torch":
+        raise RuntimeError("this pool's ranks imported Keras with another backend; KERAS_BACKEND is read once")
+    os.environ["KERAS_BACKEND"] = "torch"
+    return {
+        "dp3": dp_fit_body(comm, "float64", False, members=[0, 1, 2]),
+        "dp3_eager": dp_fit_body(comm, "float32", True, members=[0, 1, 2]),
+        "dpxpp": pipeline_body(comm, "1f1b", 3, 2),
+    }
+
+
+def test_three_rank_data_parallel_and_a_dp_by_pp_pipeline(ranks):
+    results = ranks("mpi", 4).run(keras_ranks_body, timeout=300)
     assert results[3]["dp3"] is None  # outside the process set
     check_dp([r["dp3"] for r in results[:3]], TORCH_FLOAT64)
     check_dp([r["dp3_eager"] for r in results[:3]], 1e-5)
