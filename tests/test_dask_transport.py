@@ -538,45 +538,6 @@ def test_idle_progress_thread_does_not_spin() -> None:
         progress.stop()
 
 
-def test_a_send_nobody_awaits_does_not_keep_the_progress_thread_polling_hot() -> None:
-    """A group watched with awaited=False (the transport's own copy of an inline message, waiting for a single-copy
-    send's acknowledgement) is tested at the idle back-off, not every 10 us; it still completes."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from hpdl.dask.progress import Progress
-
-    def ticks_while_watching(awaited: bool) -> tuple[int, bool]:
-        progress = Progress(name=f"test-awaited-{awaited}")
-        ticks = [0]
-
-        def count() -> bool:
-            ticks[0] += 1
-            return False
-
-        progress.add_poller(count)
-        buffer = np.zeros(4, dtype=np.int64)
-        done = threading.Event()
-        try:
-            request = MPI.COMM_SELF.Irecv(buffer, source=0, tag=77)  # completes only when this test sends
-            progress.watch([request], done.set, keep=buffer, awaited=awaited)
-            start = ticks[0]
-            progress.kick()
-            time.sleep(0.04)  # within Backoff.hot (0.05 s) of the kick
-            counted = ticks[0] - start
-            with progress.lock:
-                MPI.COMM_SELF.Send(np.arange(4, dtype=np.int64), dest=0, tag=77)
-            return counted, done.wait(5.0) and buffer.tolist() == [0, 1, 2, 3]
-        finally:
-            progress.stop()
-
-    lazy, lazy_done = ticks_while_watching(False)
-    hot, hot_done = ticks_while_watching(True)
-    assert lazy_done and hot_done
-    assert lazy <= 0.04 / 1e-3 + 10, lazy  # doubling sleeps from 10 us to the 1 ms cap
-    assert hot > 3 * lazy, (hot, lazy)
-
-
 HEAP_SCRIPT = """
 import ctypes, sys
 import numpy as np

@@ -477,8 +477,8 @@ class Hub:
         if done or total <= self.inline:
             # MPI holds the bytes already, or the one buffer is this transport's own copy: the caller's frames are
             # free at once (like a socket's send buffer); the copy stays referenced until MPI has sent it
-            if not done:  # polled at the back-off after this kick (its first tests come within microseconds)
-                self.progress.watch(requests, _nothing, keep=buffers, awaited=False)
+            if not done:
+                self.progress.watch(requests, _nothing, keep=buffers)
                 self.progress.kick()
             if asyncio._get_running_loop() is loop:
                 future.set_result(total)  # awaited without a turn of the loop

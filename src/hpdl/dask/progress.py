@@ -115,9 +115,7 @@ class Progress:
         """Makes the exception that waiters get from the error that ended the thread."""
         self._ops: queue.SimpleQueue[tuple[Callable[[], Any], Optional[OnError]]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._groups: list[tuple[list[Any], Callable[[], None], Any, Optional[OnError], bool]] = []
-        self._awaited = 0
-        """How many watched groups someone waits on (`watch(awaited=True)`): only those keep the thread polling hot."""
+        self._groups: list[tuple[list[Any], Callable[[], None], Any, Optional[OnError]]] = []
         self._pollers: list[Callable[[], bool]] = []
         self._failure_handlers: list[OnError] = []
         self._lock = threading.Lock()
@@ -176,26 +174,16 @@ class Progress:
         return self.thread.is_alive() and not self._stopping
 
     def watch(
-        self,
-        requests: list[Any],
-        on_done: Callable[[], None],
-        keep: Any = None,
-        on_error: Optional[OnError] = None,
-        awaited: bool = True,
+        self, requests: list[Any], on_done: Callable[[], None], keep: Any = None, on_error: Optional[OnError] = None
     ) -> None:
         """Call `on_done()` (on this thread) once every request of the group has completed (any thread).
 
         `keep` (the requests' buffers) stays referenced until then: MPI reads and writes them meanwhile.
-        `on_error` is called instead if the thread dies first; once it has died, `watch` raises `failure(error)`.
-        `awaited=False`: nobody waits for the group (a send from the transport's own copy, whose completion only
-        frees that copy): it is tested at the idle back-off and at every send and receive of the event loops,
-        instead of every `first` seconds. Polling hot for such groups took the GIL from the loops ~100,000 times
-        a second while a single-copy (CMA) send waited for its receiver's acknowledgement."""
+        `on_error` is called instead if the thread dies first; once it has died, `watch` raises `failure(error)`."""
         with self.lock:
             if self.error is not None:
                 raise self.failure(self.error)
-            self._groups.append((requests, on_done, keep, on_error, awaited))
-            self._awaited += awaited
+            self._groups.append((requests, on_done, keep, on_error))
 
     # ---------------------------------------------------------------- progress thread only
 
@@ -216,7 +204,6 @@ class Progress:
                 else:
                     pending.append(group)
             self._groups = pending
-            self._awaited = sum(group[4] for group in pending)
             return busy
 
     def add_poller(self, poll: Callable[[], bool]) -> None:
@@ -251,7 +238,7 @@ class Progress:
                 if busy:
                     self.backoff.activity()
                     continue
-                delay = self.backoff.next_delay(self._awaited > 0 or self.in_flight())
+                delay = self.backoff.next_delay(bool(self._groups) or self.in_flight())
                 if delay:
                     self._wake.wait(delay)
                     self._wake.clear()
@@ -273,7 +260,6 @@ class Progress:
                     break
         with self.lock:
             groups, self._groups = self._groups, []
-            self._awaited = 0
         waiters = [group[3] for group in groups] + queued + self._failure_handlers
         for on_error in waiters:
             if on_error is None:
