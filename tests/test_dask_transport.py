@@ -541,7 +541,7 @@ def test_idle_progress_thread_does_not_spin() -> None:
 HEAP_SCRIPT = """
 import ctypes, sys
 import numpy as np
-from hpdl.dask.memory import keep_freed_memory
+from hpdl.runtime.memory import keep_freed_memory
 assert keep_freed_memory() == (sys.argv[1] != "0")
 sbrk = ctypes.CDLL(None).sbrk
 sbrk.restype = ctypes.c_void_p
@@ -556,11 +556,11 @@ print(on_heap, sbrk(0) == top)  # freed: kept for the next message, or handed ba
 
 
 def test_the_transport_keeps_freed_memory_for_the_next_messages() -> None:
-    """hpdl.dask.memory: a message's copy comes from the heap and stays there when freed (fresh pages cost 0.3-8 ms
+    """hpdl.runtime.memory: a message's copy comes from the heap and stays there when freed (fresh pages cost 0.3-8 ms
     per MiB on these VMs; docs/dask.md), where glibc's defaults map it alone and unmap it at once."""
     seen = {}
     for keep in ("0", str(256 << 20)):
-        env = dict(os.environ, HPDL_DASK_MALLOC_KEEP=keep)
+        env = dict(os.environ, HPDL_MALLOC_KEEP=keep)
         done = subprocess.run([sys.executable, "-c", HEAP_SCRIPT, keep], env=env, capture_output=True, text=True,
                               timeout=60)  # fmt: skip
         assert done.returncode == 0, done.stderr

@@ -149,11 +149,11 @@ _ALL: tuple[Setting, ...] = (
        "dask", "hpdl.dask.frames", maximum=2**31 - 1),
     _n("HPDL_DASK_MPI_INLINE", "int", 4194304, "a number of bytes", "Messages with at most this many frame bytes "
        "travel as one MPI message.", "dask", "hpdl.dask.frames", allow_zero=True),
-    _n("HPDL_DASK_MALLOC_KEEP", "int", 268435456, "a number of bytes (0: leave malloc alone)", "Freed memory a "
-       "process with mpi:// keeps for reuse instead of returning it to the system (glibc's trim threshold).",
-       "dask", "hpdl.dask.memory", allow_zero=True),
     _n("HPDL_DASK_POLL_MAX_US", "float", 1000.0, "a number of microseconds", "Longest pause of the transport's "
        "idle poll.", "dask", "hpdl.dask.progress", minimum=10, maximum=1_000_000),
+    _n("HPDL_MALLOC_KEEP", "int", 268435456, "a number of bytes (0: leave malloc alone)", "Freed memory the "
+       "mpi:// transport's and the planner's processes keep for reuse instead of returning it to the system "
+       "(glibc's trim threshold).", "runtime", "hpdl.runtime.memory", allow_zero=True),
     # train, plan, cli
     Setting("HPDL_TIMELINE", "text", None, "The Chrome-trace file `Trainer.fit` writes at its end.", "train",
             "hpdl.train.trainer"),

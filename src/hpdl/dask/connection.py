@@ -52,9 +52,9 @@ import numpy as np
 
 from hpdl.dask import frames as wire
 from hpdl.dask.doorbell import BellAddress, Doorbell
-from hpdl.dask.memory import keep_freed_memory
 from hpdl.dask.progress import Progress
 from hpdl.errors import HpdlError
+from hpdl.runtime.memory import keep_freed_memory
 
 __all__ = ["Channel", "Hub", "MPITransportError", "TransportFailed", "get_hub", "parse_location"]
 

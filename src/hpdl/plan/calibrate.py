@@ -647,6 +647,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--matmul", type=int, default=512)
     parser.add_argument("--window", type=float, default=0.5, help="seconds every rank multiplies at once")
     ns = parser.parse_args(argv)
+    from hpdl.runtime.memory import keep_freed_memory
+
+    keep_freed_memory()  # as `hpdl plan` itself and the validated ranks (hpdl.runtime.memory)
     if ns.hosts_probe:
         _worker_hosts(ns.worker, ns.sizes, ns.reps, ns.matmul, ns.window)
     elif ns.busy_probe:
