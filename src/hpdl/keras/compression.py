@@ -1,7 +1,8 @@
 """Horovod's gradient compression for Keras: a Compressor casts a tensor for the wire and back.
 
 Written with `keras.ops`, so one compressor serves every backend and runs
-inside a traced train step (`tf.function`) as well as eagerly.
+inside a traced train step (`tf.function`) as well as eagerly. The interface and
+`Compressor`/`NoneCompressor` are `hpdl.horovod.compression`'s.
 """
 
 from __future__ import annotations
@@ -10,33 +11,11 @@ from typing import Any
 
 from keras import ops
 
+from hpdl.horovod.compression import Compressor, NoneCompressor
+
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
-
-
-class Compressor:
-    """Interface: `compress(tensor) -> (tensor, ctx)`, `decompress(tensor, ctx) -> tensor`."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """No compression (the default)."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
 
 
 class _CastCompressor(Compressor):

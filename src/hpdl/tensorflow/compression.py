@@ -1,7 +1,8 @@
 """Horovod's gradient compression for TensorFlow tensors: cast for the wire, cast back after.
 
-The same interface as `hpdl.horovod.compression` (static `compress(tensor) -> (tensor, ctx)` and
-`decompress(tensor, ctx)`), with `tf.cast` in place of torch's, so a user's own Compressor keeps working.
+The interface and the `Compressor`/`NoneCompressor` classes of `hpdl.horovod.compression` (static `compress(tensor)
+-> (tensor, ctx)` and `decompress(tensor, ctx)`), with `tf.cast` in place of torch's, so a user's own Compressor
+keeps working.
 """
 
 from __future__ import annotations
@@ -10,31 +11,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from hpdl.horovod.compression import Compressor, NoneCompressor
+
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
-
-
-class Compressor:
-    """Interface: `compress(tensor) -> (tensor, ctx)`, `decompress(tensor, ctx) -> tensor`."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """No compression (the default)."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
 
 
 class _CastCompressor(Compressor):
