@@ -15,8 +15,10 @@ import contextlib
 import os
 import pickle
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +59,10 @@ class RankPool:
         child_env = dict(os.environ, OMP_NUM_THREADS="1", HPDL_BACKEND=backend, **(env or {}))
         child_env["GLIBC_TUNABLES"] = huge_page_heap(child_env.get("GLIBC_TUNABLES"))
         child_env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, child_env.get("PYTHONPATH", "")])
+        # the ranks' temporary files in a folder of the pool's: they leave with os._exit, which skips the atexit
+        # handlers that remove them (TensorFlow's autograph wrote 32 sources per suite run into /tmp and left them)
+        self._tmp = tempfile.mkdtemp(prefix="hpdl-pool-")
+        child_env["TMPDIR"] = self._tmp
         command = [sys.executable, "-u", WORKER, host, str(port), key.hex()]
         self._log_path = os.path.join(_log_dir(), f"pool-{backend}-{nprocs}-{os.getpid()}-{time.time_ns()}.log")
         log = open(self._log_path, "w")
@@ -175,6 +181,7 @@ class RankPool:
         self._listener.close()
         for log in self._logs:
             log.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def huge_page_heap(tunables: Optional[str]) -> str:

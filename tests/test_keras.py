@@ -463,17 +463,21 @@ def bench_body(comm: Any) -> list:
 
 def check_bench_report(records: list, backend: str, capsys: Any, folder: str) -> str:
     """The report of one backend's records: every contender in the table, one accuracy for all, a target line."""
-    from hpdl.bench.keras import CONTENDERS, SEPARATE, Options, write_report
+    from hpdl.bench.keras import BOUND, CONTENDERS, PEERS, SEPARATE, Options, write_report
 
     write_report(Options(quick=True, models=("dense",), rounds=1, epochs=1, out=folder), records, 1.0)
     out = capsys.readouterr().out
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines() if "| dense |" in line]
     expected = sorted(c for c in CONTENDERS[backend] if c not in SEPARATE)  # (SEPARATE: processes of their own)
     assert sorted(r[2] for r in rows if r[0] == backend) == expected, out
-    accuracies = {r[5] for r in rows}
+    accuracies = {r[5] for r in rows if r[2] != BOUND}  # (the bound's ranks drift apart: it trains on half)
     assert len(accuracies) == 1 and float(accuracies.pop()) > 0.5, out  # the same model, trained alike everywhere
     assert all(float(r[3]) > 0 for r in rows), out
-    assert f"{backend} dense: hpdl.keras" in out and "the best peer" in out, out
+    if any(c in PEERS for c in expected):  # (TensorFlow's peer runs in processes of its own: not on the pool)
+        assert f"{backend} dense: hpdl.keras" in out and "the best peer" in out, out
+    else:
+        assert f"{backend} dense: no peer ran; hpdl.keras" in out, out
+    assert "with no exchange at all the same ranks reach" in out, out  # the ceiling beside the target
     assert "MultiWorkerMirroredStrategy on Keras 2" in out
     assert os.path.exists(os.path.join(folder, "keras.json"))
     return out

@@ -358,6 +358,9 @@ def test_devices_that_share_cores_slow_down_by_the_devices_per_core_that_compute
     assert CostModel(profile, lossy, wl).estimate(dp2).step_s == pytest.approx(
         CostModel(profile, alone, wl).estimate(dp2).step_s
     )
+    # a busy probe that saw more than a fair share of the cores (matmuls within a core's caches) counts as a fair one
+    generous = replace(shared, node_flops={"fp32": 3e12})
+    assert CostModel(profile, generous, wl).estimate(dp4).compute_s == pytest.approx(s.compute_s)
     # a pipeline's stages compute m / (m + p - 1) of the step: 4 x 4/7 ranks busy on 2 cores, 8/7 slower
     pp4 = Candidate(dp=1, pp=4, tp=1, micro_batches=4)
     assert CostModel(profile, shared, wl).busy(pp4) == pytest.approx(16 / 7)

@@ -163,6 +163,10 @@ class Cluster:
             shared = self.node_flops.get(dtype, self.node_flops.get("fp32"))
             if shared:
                 rate = min(rate, shared * self.efficiency / active_per_node)
+        if cores and active_per_node and active_per_node > cores:
+            # no more than a fair share of the cores: the busy probe's matmuls, which keep within a core's caches,
+            # got 0.55 of a core each with 4 ranks on 2 cores here, and every model's own steps less than 0.5
+            rate = min(rate, self.flops.get(dtype, rate) * self.efficiency * cores / active_per_node)
         return rate
 
     def sharing(self, active_per_node: float) -> float:

@@ -353,7 +353,8 @@ class Outcome:
     cluster: Any
     files: list[str] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)
-    """One-minute load average before and after the runs, per core: timings from a busy machine are noise."""
+    """The share of the cores that other processes used just before and just after the runs (`_load`): timings
+    from a busy machine are noise."""
 
     @property
     def within_share(self) -> float:
@@ -534,8 +535,8 @@ def markdown(outcome: Outcome) -> str:
     failures = [f"- {r['model']}, {r['ranks']} ranks, {r['plan']}: {r['error'].splitlines()[0]}" for r in failed]
     lines = [
         f"cluster: {outcome.cluster.name} ({outcome.cluster.source})",
-        f"load average per core: {outcome.load[0]:.2f} before, {outcome.load[1]:.2f} after"
-        + (" (busy before the runs: the measured times are not trustworthy)" if outcome.load[0] > 0.5 else ""),
+        f"cores busy with other work: {outcome.load[0]:.0%} before the runs, {outcome.load[1]:.0%} after"
+        + (" (busy: the measured times are not trustworthy)" if max(outcome.load) > 0.25 else ""),
         "",
         table,
         "",
@@ -595,7 +596,7 @@ def plot(path: str, outcome: Outcome) -> bool:
 
 def write(outcome: Outcome, options: Options) -> list[str]:
     os.makedirs(options.out, exist_ok=True)
-    config = {"options": options.__dict__, "cluster": outcome.cluster.to_dict(), "load_per_core": outcome.load}
+    config = {"options": options.__dict__, "cluster": outcome.cluster.to_dict(), "cores_busy_other": outcome.load}
     paths = []
     json_path = os.path.join(options.out, "validate.json")
     with open(json_path, "w") as fh:
@@ -613,11 +614,27 @@ def write(outcome: Outcome, options: Options) -> list[str]:
     return paths
 
 
-def _load() -> float:
+def _load(seconds: float = 0.5) -> float:
+    """The share of the machine's cores that other processes keep busy, sampled over `seconds` while this one
+    sleeps (the one-minute load average counted the calibration that `make plan-validate` had just run, and read
+    "busy" before every run); the load average per core where /proc/stat is missing."""
+
+    def busy_and_total() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:]]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+        return sum(ticks) - idle, sum(ticks)
+
     try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except OSError:
-        return float("nan")
+        busy0, total0 = busy_and_total()
+        time.sleep(seconds)
+        busy1, total1 = busy_and_total()
+        return (busy1 - busy0) / max(1, total1 - total0)
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0] / (os.cpu_count() or 1)
+        except OSError:
+            return float("nan")
 
 
 def parse_ranks(values: Sequence[str]) -> tuple[int, ...]:
