@@ -9,13 +9,14 @@ edges as `importer -> imported (file:line)`.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import os
 import subprocess
 import sys
 import types
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytest
 
@@ -130,10 +131,13 @@ def _edges() -> list[Edge]:
     return edges
 
 
-EDGES = _edges()
+@functools.cache
+def edges() -> tuple[Edge, ...]:
+    """The import graph, parsed once by the worker that runs these tests (not at every worker's collection)."""
+    return tuple(_edges())
 
 
-def _cycles(edges: list[Edge]) -> list[list[str]]:
+def _cycles(edges: Sequence[Edge]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     graph: dict[str, set[str]] = {}
     for e in edges:
@@ -220,9 +224,9 @@ def test_module_walk_sees_the_packages() -> None:
     """The walk finds the modules and their imports (a broken walk would pass every check below)."""
     assert "hpdl.parallel.mesh.compose" in MODULES and "hpdl.comm.base" in MODULES
     assert any(
-        e.importer == "hpdl.parallel.mesh.compose" and e.imported.startswith("hpdl.parallel.pipe") for e in EDGES
+        e.importer == "hpdl.parallel.mesh.compose" and e.imported.startswith("hpdl.parallel.pipe") for e in edges()
     )
-    assert any(e.in_function for e in EDGES), "function-level imports must be part of the graph"
+    assert any(e.in_function for e in edges()), "function-level imports must be part of the graph"
     assert _cycles([Edge("a", "b", SRC, 1, False), Edge("b", "c", SRC, 1, True), Edge("c", "a", SRC, 1, False)])
     up = [("hpdl.checkpoint.sharded", "hpdl.train.checkpoint"), ("hpdl.train.demo", "hpdl.bench.report")]
     up += [
@@ -240,17 +244,17 @@ def test_module_walk_sees_the_packages() -> None:
 
 
 def test_no_import_cycle() -> None:
-    cycles = _cycles(EDGES)
+    cycles = _cycles(edges())
     report = []
     for members in cycles:
         inside = set(members)
         report.append(" <-> ".join(members))
-        report += [f"    {e}" for e in EDGES if e.importer in inside and e.imported in inside]
+        report += [f"    {e}" for e in edges() if e.importer in inside and e.imported in inside]
     assert not cycles, "import cycles in hpdl (move the shared piece down a floor):\n" + "\n".join(report)
 
 
 def test_imports_point_down() -> None:
-    upward = [str(e) for e in EDGES if _points_up(e)]
+    upward = [str(e) for e in edges() if _points_up(e)]
     assert not upward, (
         "imports that point up or sideways (see LAYERS and PARALLEL_ORDER; move the piece down, or let the "
         "caller pass what is needed):\n  " + "\n  ".join(upward)

@@ -119,14 +119,20 @@ def test_calibrate_measures_this_machine_and_writes_a_cluster_file(calibrated):
     assert "direct probe" in cluster.extra["collectives"] and "measured on" in cluster.source
 
 
-def test_validate_quick_measures_the_spatial_plans_of_a_cnn_and_the_branch_plans_of_an_inception_block(
-    calibrated, tmp_path
-):
-    out = tmp_path / "validate"
-    done = hpdl("plan", "validate", "--quick", "--models", "cnn", "inception", "--cluster", str(calibrated),
-                "--out", str(out), timeout=400)  # fmt: skip
-    assert "predicted ms" in done.stdout
-    records = json.loads((out / "validate.json").read_text())["records"]
+@pytest.fixture(scope="module")
+def validated(calibrated, tmp_path_factory):
+    """`hpdl plan validate --quick` of the MLP, the CNN and the inception block, once for the tests below (each
+    world size's ranks start once for all three): its output folder and what it printed."""
+    out = tmp_path_factory.mktemp("validate")
+    done = hpdl("plan", "validate", "--quick", "--models", "mlp", "cnn", "inception", "--cluster", str(calibrated),
+                "--out", str(out), timeout=600)  # fmt: skip
+    return out, done.stdout
+
+
+def test_validate_quick_measures_the_spatial_plans_of_a_cnn_and_the_branch_plans_of_an_inception_block(validated):
+    out, stdout = validated
+    assert "predicted ms" in stdout
+    records = [r for r in json.loads((out / "validate.json").read_text())["records"] if r["model"] != "mlp"]
     assert not [r for r in records if r["error"]], [r["error"] for r in records if r["error"]]
     ran = [r for r in records if r["measured_s"]]
     assert len(ran) == len(records)
@@ -137,13 +143,12 @@ def test_validate_quick_measures_the_spatial_plans_of_a_cnn_and_the_branch_plans
     assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in ran)
 
 
-def test_validate_quick_runs_plans_with_the_real_strategies(calibrated, tmp_path):
-    out = tmp_path / "validate"
-    done = hpdl("plan", "validate", "--quick", "--models", "mlp", "--cluster", str(calibrated), "--out", str(out),
-                timeout=400)  # fmt: skip
-    assert "predicted ms" in done.stdout and "measured ms" in done.stdout
+def test_validate_quick_runs_plans_with_the_real_strategies(validated):
+    out, stdout = validated
+    assert "predicted ms" in stdout and "measured ms" in stdout
     data = json.loads((out / "validate.json").read_text())
-    records = data["records"]
+    everything = data["records"]
+    records = [r for r in everything if r["model"] == "mlp"]
     assert {r["ranks"] for r in records} == {1, 2}
     ran = [r for r in records if r["measured_s"]]
     assert not [r for r in records if r["error"]], [r["error"] for r in records if r["error"]]
@@ -161,10 +166,11 @@ def test_validate_quick_runs_plans_with_the_real_strategies(calibrated, tmp_path
     # report lists every plan with its predicted and measured time.
     for r in ran:
         assert r["within_25"] == (abs(r["predicted_s"] - r["measured_s"]) <= 0.25 * r["measured_s"])
-    assert data["within_25_share"] == pytest.approx(sum(r["within_25"] for r in ran) / len(ran))
+    measured = [r for r in everything if r["measured_s"]]
+    assert data["within_25_share"] == pytest.approx(sum(r["within_25"] for r in measured) / len(measured))
     assert {g["ranks"] for g in data["groups"]} == {1, 2}
     for g in data["groups"]:
-        mine = [r for r in ran if (r["model"], r["ranks"]) == (g["model"], g["ranks"])]
+        mine = [r for r in measured if (r["model"], r["ranks"]) == (g["model"], g["ranks"])]
         assert g["plans"] == len(mine)
         assert g["predicted_best"] == min(mine, key=lambda r: r["predicted_s"])["plan"]
         assert g["measured_best"] == min(mine, key=lambda r: r["measured_s"])["plan"]

@@ -614,7 +614,7 @@ def write(outcome: Outcome, options: Options) -> list[str]:
     return paths
 
 
-def _load(seconds: float = 0.5) -> float:
+def _load(seconds: float = 0.25) -> float:
     """The share of the machine's cores that other processes keep busy, sampled over `seconds` while this one
     sleeps (the one-minute load average counted the calibration that `make plan-validate` had just run, and read
     "busy" before every run); the load average per core where /proc/stat is missing."""
