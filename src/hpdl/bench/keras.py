@@ -55,11 +55,11 @@ CONTENDERS = {
     "tensorflow": ("hpdl.keras", "one process", "tf_keras MWMS", "no exchange"),
 }
 SEPARATE = ("tf_keras MWMS",)
+"""Contenders in processes of their own: TensorFlow's collective runtime must be set up before any TF op runs."""
 PEERS = ("keras+DDP", "tf_keras MWMS")
 """The other data parallel tools; one process is the baseline every row is divided by, not a peer."""
 BOUND = "no exchange"
 """The ceiling, not a peer: hpdl.keras's ranks without the gradient exchange."""
-"""Contenders in processes of their own: TensorFlow's collective runtime must be set up before any TF op runs."""
 TARGET = 1.2
 """hpdl.keras on 2 ranks against the best peer that runs (issue #52)."""
 

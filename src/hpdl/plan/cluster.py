@@ -156,6 +156,7 @@ class Cluster:
         if rate is None:
             raise ClusterError(f"cluster {self.name!r} has no compute rate for {dtype!r} (it has {sorted(self.flops)})")
         rate *= self.efficiency
+        alone = rate
         cores = (self.cores_per_device or 0.0) * self.devices_per_node
         if active_per_node and active_per_node <= cores:
             return rate  # a core for every busy device: its own rate (node_flops is the oversubscribed total)
@@ -166,7 +167,7 @@ class Cluster:
         if cores and active_per_node and active_per_node > cores:
             # no more than a fair share of the cores: the busy probe's matmuls, which keep within a core's caches,
             # got 0.55 of a core each with 4 ranks on 2 cores here, and every model's own steps less than 0.5
-            rate = min(rate, self.flops.get(dtype, rate) * self.efficiency * cores / active_per_node)
+            rate = min(rate, alone * cores / active_per_node)
         return rate
 
     def sharing(self, active_per_node: float) -> float:
