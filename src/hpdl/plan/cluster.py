@@ -166,7 +166,7 @@ class Cluster:
                 rate = min(rate, shared * self.efficiency / active_per_node)
         if cores and active_per_node and active_per_node > cores:
             # no more than a fair share of the cores: the busy probe's matmuls, which keep within a core's caches,
-            # got 0.55 of a core each with 4 ranks on 2 cores here, and every model's own steps less than 0.5
+            # got 0.55 of a core each with 4 ranks on 2 cores here; a small CNN's and an MLP's steps 0.29-0.48
             rate = min(rate, alone * cores / active_per_node)
         return rate
 
