@@ -103,3 +103,20 @@ def test_the_launcher_runs_collectives_horovod_and_training_equal_to_one_process
             assert result["refusal"].startswith("LaunchError: init_process_group('hpdl'): this process was started")
             assert "Use backend 'gloo' or 'nccl'" in result["refusal"], result["refusal"]
     assert "Traceback" not in output, output
+
+
+def test_open_mpis_mpirun_with_mpich_under_mpi4py_is_a_clear_error_not_an_abort_in_mpi_init(tmp_path):
+    """Without MPI4PY_LIBMPI, mpi4py loads the mpich wheel's library, which aborts inside MPI_Init under Open MPI's
+    launcher ("unsupported PMI version PMIx"): hpdl.init says why and what to do before MPI starts."""
+    argv, env = _open_mpi()
+    env.pop("MPI4PY_LIBMPI")
+    argv = [word for word in argv if word != "MPI4PY_LIBMPI"]
+    argv.remove("-x")  # (the flag that forwarded it)
+    script = tmp_path / "init.py"
+    script.write_text("import hpdl\nhpdl.init()\n")
+    done = subprocess.run([*argv, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=str(tmp_path))  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert output.count("BackendUnavailableError: Open MPI's mpirun started this process, but mpi4py") == 2, output
+    assert "MPI4PY_LIBMPI" in output and "unsupported PMI version" not in output, output

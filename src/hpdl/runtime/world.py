@@ -109,7 +109,31 @@ def is_initialized() -> bool:
     return _current is not None
 
 
+def _mpi_library_for(launch: Launch) -> None:
+    """Open MPI's launcher with mpi4py about to load MPICH's library (the `mpich` wheel): MPICH would abort the
+    process inside MPI_Init ("Runtime environment uses unsupported PMI version PMIx"). Say why and what to do."""
+    if launch.launcher != "openmpi" or "mpi4py.MPI" in sys.modules:
+        return
+    try:
+        import importlib.metadata
+
+        importlib.metadata.version("mpich")  # the wheel is installed (a site's MPICH may be built with PMIx)
+        from mpi4py import _mpiabi  # (mpi4py >= 4: the library its binary wheel will load; MPI is not started)
+
+        library = str(_mpiabi._get_mpiabi())  # type: ignore[attr-defined]
+    except Exception:  # no mpich wheel, an mpi4py built against one MPI, another version: nothing to tell
+        return
+    if library.startswith("mpich"):
+        raise BackendUnavailableError(
+            "Open MPI's mpirun started this process, but mpi4py is about to load MPICH's library (the mpich wheel), "
+            "which cannot start under it. Point mpi4py at Open MPI's library and forward the variable "
+            "(`mpirun -x MPI4PY_LIBMPI ...` with MPI4PY_LIBMPI=/path/to/openmpi/lib/libmpi.so.40), or start the "
+            "job with `hpdl launch` or MPICH's mpiexec."
+        )
+
+
 def _mpi_world(launch: Launch, timeout: float, debug: bool) -> Communicator:
+    _mpi_library_for(launch)
     from hpdl.comm.mpi_backend import MPI, MpiCommunicator  # (Open MPI's settings: chosen at `import hpdl`)
 
     comm = MpiCommunicator(MPI.COMM_WORLD, timeout=timeout, debug=debug, read_tuning=True)
