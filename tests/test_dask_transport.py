@@ -5,7 +5,10 @@ One `mpiexec -n 2` launch of this file runs every body on both transports
 JSON; the tests below assert it, the same assertions for mpi:// and tcp://.
 Last, rank 1 kills its own progress thread with work pending on it (see
 `transport_failure`). Frames are chunked at 1 MiB in that run (HPDL_DASK_MPI_CHUNK) so that the
-chunking above MPI's count limit is exercised without 2 GiB messages.
+chunking above MPI's count limit is exercised without 2 GiB messages, and MPICH's single-copy
+transfers are off (MPIR_CVAR_CH4_CMA_ENABLE=0, as where ptrace is restricted) so that every
+receive that needs its sender's MPI calls goes through the push the transport then asks for; the
+other Dask tests run with them on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ PROTOCOLS = ("tcp", "mpi")
 LISTEN = {"tcp": "tcp://127.0.0.1", "mpi": "mpi://"}
 CHUNK = 1 << 20
 LARGE = 5 * CHUNK + 123  # several chunks and a remainder
+INLINE = 1 << 20  # one MPI message (below HPDL_DASK_MPI_INLINE), larger than MPICH's eager cells
 MESSAGES, COMMS = 20, 24
 RUN_TIMEOUT = 150
 
@@ -64,7 +68,7 @@ class PingPong(Body):
 
         comm = await connect(address, timeout=10)
         same = []
-        for n in (0, 1, 1000, 70_000, LARGE):
+        for n in (0, 1, 1000, 70_000, INLINE, LARGE):
             payload = os.urandom(n)
             await comm.write({"op": "ping", "data": payload})
             same.append((await comm.read())["data"] == payload)
@@ -351,6 +355,26 @@ async def transport_failure() -> dict[str, Any]:
     return out
 
 
+def wait_then_heat(progress: Any) -> dict[str, Any]:
+    """Watch a receive that no one has sent as a wait, count the progress thread's ticks, heat it, complete it."""
+    from mpi4py import MPI
+
+    ticks: list[bool] = []
+    next_delay = progress.backoff.next_delay
+    progress.backoff.next_delay = lambda in_flight, cap=0.0: (ticks.append(in_flight), next_delay(in_flight, cap))[1]
+    box, done = np.zeros(1), threading.Event()
+    progress.watch([MPI.COMM_SELF.Irecv(box, source=0, tag=6)], done.set, keep=box, hot=False, key="peer")
+    time.sleep(0.3)
+    cold, ticks[:] = list(ticks), []
+    progress.heat("peer")
+    time.sleep(0.05)
+    hot = list(ticks)
+    MPI.COMM_SELF.Send(np.ones(1), dest=0, tag=6)
+    completed = done.wait(10)
+    progress.backoff.next_delay = next_delay
+    return {"cold_ticks": len(cold), "cold_in_flight": any(cold), "hot_in_flight": any(hot), "completed": completed}
+
+
 def script_main(path: str) -> None:
     from mpi4py import MPI
 
@@ -368,6 +392,8 @@ def script_main(path: str) -> None:
         return results
 
     mine = asyncio.run(everything())
+    mine["_pushed"] = sorted(get_hub()._pushed)
+    mine["_waits"] = wait_then_heat(get_hub().progress)
     both = call(lambda: world.gather(mine, root=0))
     if world.rank == 0:
         merged = {key: {"server": both[0][key], "client": both[1][key]} for key in both[0]}
@@ -387,7 +413,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     path = tmp_path_factory.mktemp("dask_transport") / "observed.json"
     env = job_environment("mpi", 2)
-    env.update(OMP_NUM_THREADS="1", HPDL_DASK_MPI_CHUNK=str(CHUNK))
+    env.update(OMP_NUM_THREADS="1", HPDL_DASK_MPI_CHUNK=str(CHUNK), MPIR_CVAR_CH4_CMA_ENABLE="0")
     command = [*mpiexec_argv(2), sys.executable, __file__, str(path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -399,7 +425,23 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_ping_pong(observed: dict[str, Any], protocol: str) -> None:
     client = observed[f"{protocol}/ping_pong"]["client"]
-    assert client == {"bytes_equal": [True] * 5, "array_equal": True, "closed": True}
+    assert client == {"bytes_equal": [True] * 6, "array_equal": True, "closed": True}
+
+
+def test_a_receiver_that_needs_its_sender_asks_for_a_push(observed: dict[str, Any]) -> None:
+    """Without single-copy transfers a 1 MiB message cannot arrive until its sender's MPI moves the rest: each side
+    learnt that from the other's receive (`Doorbell.ask_push`), and the messages above arrived whole."""
+    assert observed["_pushed"] == {"server": [1], "client": [0]}
+
+
+def test_a_wait_is_not_polled_hot_until_heated(observed: dict[str, Any]) -> None:
+    """A watched wait (a receive no one has sent yet) leaves the progress thread at its back-off pace, where hot
+    polling would wake it every 10 us and take the GIL from the event loops; `heat` makes it hot; it completes."""
+    for side in ("server", "client"):
+        waits = observed["_waits"][side]
+        assert waits["completed"] is True
+        assert waits["cold_in_flight"] is False and waits["cold_ticks"] < 400  # 0.3 s at 1 ms, after the ramp
+        assert waits["hot_in_flight"] is True
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

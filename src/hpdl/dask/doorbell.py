@@ -33,7 +33,9 @@ __all__ = ["BellAddress", "Doorbell"]
 
 logger = logging.getLogger(__name__)
 RING = struct.Struct("<qq")
-"""A ring: the sender's rank and the count of messages it has sent to the receiver."""
+"""A ring: the sender's rank and the count of messages it has sent to the receiver (PUSH: see `ask_push`)."""
+PUSH = -1
+"""The count of a ring that asks the receiver to drive MPI for its sends to the ringer."""
 
 
 class BellAddress(NamedTuple):
@@ -74,6 +76,8 @@ class Doorbell:
             self.udp = udp
             ipv4, port = int(ipaddress.IPv4Address(found.address)), udp.getsockname()[1]
         self.address = BellAddress(self.token, ipv4, port)
+        self._names: dict[int, str] = {}
+        """token -> its Unix name (made once per peer, not per ring)."""
         self._remote: set[int] = set()
         """Tokens of peers whose Unix name is not in this network namespace (another host): rung over UDP."""
 
@@ -83,9 +87,12 @@ class Doorbell:
     def ring(self, peer: BellAddress, rank: int, sent: int) -> None:
         """Ring a peer's doorbell (never blocks: a full queue already holds a ring, a lost one is polled for)."""
         ring = RING.pack(rank, sent)
+        name = self._names.get(peer.token)
+        if name is None:
+            name = self._names[peer.token] = _unix_name(peer.token)
         if peer.token not in self._remote:
             try:
-                self.unix.sendto(ring, _unix_name(peer.token))
+                self.unix.sendto(ring, name)
                 return
             except BlockingIOError:
                 return
@@ -97,11 +104,18 @@ class Doorbell:
             except OSError:  # unreachable or full: the peer's poll finds the message
                 pass
 
-    def drain(self) -> dict[int, int]:
-        """Take every pending ring: {sender's rank: the most messages it says it has sent to this process}."""
+    def ask_push(self, peer: BellAddress, rank: int) -> None:
+        """Ask a peer to drive MPI for the message it is sending to `rank` (this process): the receive cannot
+        finish without the sender's MPI calls (no single-copy path between them), which its rings never need."""
+        self.ring(peer, rank, PUSH)
+
+    def drain(self, fd: Optional[int] = None) -> tuple[dict[int, int], set[int]]:
+        """Take every pending ring (of the socket `fd` only, if given: the one that is readable): {sender's rank: the
+        most messages it says it has sent to this process}, and the ranks that asked for a push (`ask_push`)."""
         counts: dict[int, int] = {}
+        pushes: set[int] = set()
         for sock in (self.unix, self.udp):
-            if sock is None:
+            if sock is None or (fd is not None and sock.fileno() != fd):
                 continue
             while True:
                 try:
@@ -112,8 +126,11 @@ class Doorbell:
                     break
                 if len(data) == RING.size:
                     rank, sent = RING.unpack(data)
-                    counts[rank] = max(sent, counts.get(rank, 0))
-        return counts
+                    if sent == PUSH:
+                        pushes.add(rank)
+                    else:
+                        counts[rank] = max(sent, counts.get(rank, 0))
+        return counts, pushes
 
     def close(self) -> None:
         for sock in (self.unix, self.udp):

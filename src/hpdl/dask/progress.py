@@ -14,12 +14,17 @@ whichever thread takes it), so MPI must provide MPI_THREAD_MULTIPLE.
 
 Event loops hand it work through `submit` (a queue plus an event that wakes
 it at once) or `kick` (requests started on a loop that need progress) and
-get results back with `loop.call_soon_threadsafe`. While requests are in
-flight it polls without sleeping for at most `hot` seconds since the last
-completion; after its own activity it keeps polling for `spin`; then it
-sleeps with exponential back-off (from `first` to `cap`,
+get results back with `loop.call_soon_threadsafe`. A watched group is hot
+(its requests need this process's MPI calls to finish) or a wait (they finish
+without them: a peer's message, a send the receiver reads itself); only hot
+groups count as in flight, for every tick takes the GIL from the event loops.
+While requests are in flight it polls every `first` seconds for at most `hot`
+seconds since the last completion; after its own activity it keeps polling
+for `spin`; then it sleeps with exponential back-off (from `first` to `cap`,
 HPDL_DASK_POLL_MAX_US, default 1000 us), reset on any activity. Idle, that
-is at most one wake-up per millisecond: no core spins.
+is at most one wake-up per millisecond (no core spins), and once the owner
+says it will be told of new work (`idle_cap`: the transport's doorbells),
+one per the owner's own poll interval.
 
 If the thread itself fails (an MPI error, a bug), nothing may wait for it in
 vain: every watched group and every queued operation that was given an
@@ -45,6 +50,20 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 OnError = Callable[[BaseException], None]
 """Told the failure (as made by `Progress.failure`) when the progress thread dies before the work completes."""
+
+
+@dataclass(eq=False)
+class Group:
+    """Requests watched together: `on_done` once all have completed, `on_error` if the thread dies first."""
+
+    requests: list[Any]
+    on_done: Callable[[], None]
+    keep: Any
+    on_error: Optional[OnError]
+    hot: bool
+    """Whether it needs this process's MPI progress (polled hot) or only waits (tested at the back-off's pace)."""
+    key: Any = None
+    """What `heat(key)` finds it by (the transport: the peer a send goes to)."""
 
 
 def _thread_failed(error: BaseException) -> BaseException:
@@ -75,14 +94,14 @@ class Backoff:
         self.delay = 0.0
         self.last_activity = time.monotonic()
 
-    def next_delay(self, in_flight: bool) -> float:
-        """How long to sleep after an idle poll."""
+    def next_delay(self, in_flight: bool, cap: float = 0.0) -> float:
+        """How long to sleep after an idle poll (back-off up to `cap` seconds, if given, else `self.cap`)."""
         quiet = time.monotonic() - self.last_activity
         if quiet < self.spin:
             return 0.0
         if in_flight and quiet < self.hot:  # short sleeps, not a spin: a spinning thread steals a core of 2
             return self.first
-        self.delay = min(self.cap, max(self.first, self.delay * 2))
+        self.delay = min(cap or self.cap, max(self.first, self.delay * 2))
         return self.delay
 
 
@@ -115,7 +134,7 @@ class Progress:
         """Makes the exception that waiters get from the error that ended the thread."""
         self._ops: queue.SimpleQueue[tuple[Callable[[], Any], Optional[OnError]]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._groups: list[tuple[list[Any], Callable[[], None], Any, Optional[OnError]]] = []
+        self._groups: list[Group] = []
         self._pollers: list[Callable[[], bool]] = []
         self._failure_handlers: list[OnError] = []
         self._lock = threading.Lock()
@@ -124,6 +143,9 @@ class Progress:
         """Held by every step that calls MPI for the transport or touches the watched groups (any thread)."""
         self.in_flight: Callable[[], bool] = lambda: False
         """Whether the owner has requests in flight besides the watched groups (keeps the thread polling hot)."""
+        self.idle_cap: Callable[[], float] = lambda: self.backoff.cap
+        """The longest sleep while nothing is in flight and no group waits (the owner may know it is told of work:
+        every wake-up of this thread takes the GIL from the process's event loops)."""
         self._stopping = False
         self.drain_seconds = 2.0
         """At stop, how long queued operations and in-flight sends may still take."""
@@ -174,16 +196,35 @@ class Progress:
         return self.thread.is_alive() and not self._stopping
 
     def watch(
-        self, requests: list[Any], on_done: Callable[[], None], keep: Any = None, on_error: Optional[OnError] = None
+        self,
+        requests: list[Any],
+        on_done: Callable[[], None],
+        keep: Any = None,
+        on_error: Optional[OnError] = None,
+        hot: bool = True,
+        key: Any = None,
     ) -> None:
         """Call `on_done()` (on this thread) once every request of the group has completed (any thread).
 
         `keep` (the requests' buffers) stays referenced until then: MPI reads and writes them meanwhile.
-        `on_error` is called instead if the thread dies first; once it has died, `watch` raises `failure(error)`."""
+        `on_error` is called instead if the thread dies first; once it has died, `watch` raises `failure(error)`.
+        `hot`: the requests need this process's MPI progress to finish, and this thread polls them every `first`
+        seconds while they are in flight. Each such tick takes the GIL from the event loops (hot polling for every
+        pending small send made a 64 KiB mpi:// message 1.6x slower), so `hot=False` is for what only waits (a
+        peer's message, a barrier, a send that the receiver completes itself): tested at the back-off's pace and
+        by whatever thread calls `test_groups`; `heat(key)` makes such groups hot."""
         with self.lock:
             if self.error is not None:
                 raise self.failure(self.error)
-            self._groups.append((requests, on_done, keep, on_error))
+            self._groups.append(Group(requests, on_done, keep, on_error, hot, key))
+
+    def heat(self, key: Any) -> None:
+        """The watched groups of `key` need this process's MPI progress now: poll them hot (any thread)."""
+        with self.lock:
+            for group in self._groups:
+                if group.key == key:
+                    group.hot = True
+        self.kick()
 
     # ---------------------------------------------------------------- progress thread only
 
@@ -198,9 +239,9 @@ class Progress:
             testall = MPI.Request.Testall
             pending, busy = [], False
             for group in self._groups:
-                if testall(group[0]):
-                    group[1]()
-                    busy = True
+                if testall(group.requests):
+                    busy = busy or group.hot  # a wait that ended is no sign of more MPI work to come
+                    group.on_done()
                 else:
                     pending.append(group)
             self._groups = pending
@@ -238,7 +279,9 @@ class Progress:
                 if busy:
                     self.backoff.activity()
                     continue
-                delay = self.backoff.next_delay(bool(self._groups) or self.in_flight())
+                in_flight = any(group.hot for group in self._groups) or self.in_flight()
+                cap = self.backoff.cap if in_flight else self.idle_cap()
+                delay = self.backoff.next_delay(in_flight, cap)
                 if delay:
                     self._wake.wait(delay)
                     self._wake.clear()
@@ -260,7 +303,7 @@ class Progress:
                     break
         with self.lock:
             groups, self._groups = self._groups, []
-        waiters = [group[3] for group in groups] + queued + self._failure_handlers
+        waiters = [group.on_error for group in groups] + queued + self._failure_handlers
         for on_error in waiters:
             if on_error is None:
                 continue
