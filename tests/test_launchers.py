@@ -118,5 +118,6 @@ def test_open_mpis_mpirun_with_mpich_under_mpi4py_is_a_clear_error_not_an_abort_
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=str(tmp_path))  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
-    assert output.count("BackendUnavailableError: Open MPI's mpirun started this process, but mpi4py") == 2, output
+    # every rank raises it; the first to exit makes Open MPI's launcher end the others, which may not print it
+    assert "BackendUnavailableError: Open MPI's mpirun started this process, but mpi4py" in output, output
     assert "MPI4PY_LIBMPI" in output and "unsupported PMI version" not in output, output

@@ -526,12 +526,15 @@ class Hub:
         loops' own calls (every send and receive tests the watched groups) or
         the progress thread's back-off tick. Hot polling for it instead took
         the GIL from the loops every 10 us: a 64 KiB message 1.6x slower (259
-        against 157 us; tcp:// 163). Without such a path (another host, CMA
-        off) the receiver cannot finish until this process moves the rest of
-        the message: it asks for a push (`Doorbell.ask_push`), which heats the
-        pending sends to it and marks it, so that its later sends are polled
-        hot from the start."""
-        if peer in self._pushed:
+        against 157 us; tcp:// 163). Without such a path the receiver cannot
+        finish until this process moves the rest of the message: sends to
+        another host are polled hot from the start (over a network MPI may not
+        even show the message before its sender's next call); on this host
+        (CMA off) the receiver asks for a push (`Doorbell.ask_push`), which
+        heats the pending sends to it and marks it, so that its later sends
+        are polled hot from the start."""
+        bell = self._bells.get(peer)
+        if peer in self._pushed or bell is None or not self.doorbell.is_local(bell):  # another host: no such path
             self.progress.watch(requests, _nothing, keep=buffers)
             self.progress.kick()
         else:

@@ -104,6 +104,10 @@ class Doorbell:
             except OSError:  # unreachable or full: the peer's poll finds the message
                 pass
 
+    def is_local(self, peer: BellAddress) -> bool:
+        """Whether `peer` is in this network namespace (its Unix name answered the last ring: this host)."""
+        return peer.token not in self._remote
+
     def ask_push(self, peer: BellAddress, rank: int) -> None:
         """Ask a peer to drive MPI for the message it is sending to `rank` (this process): the receive cannot
         finish without the sender's MPI calls (no single-copy path between them), which its rings never need."""
