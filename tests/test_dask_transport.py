@@ -400,10 +400,47 @@ def script_main(path: str) -> None:
         merged["_thread_level"] = {"multiple": MPI.Query_thread() == MPI.THREAD_MULTIPLE}
         with open(path, "w") as handle:
             json.dump(merged, handle)
-    if world.rank == 1:  # last: this kills the rank's transport
+    if world.rank == 1:  # this kills the rank's transport
         failure = asyncio.run(transport_failure())
         with open(path + ".failure", "w") as handle:
             json.dump(failure, handle)
+    stalled = stalled_sender(world)  # last: this kills rank 0's transport
+    if world.rank == 0:
+        with open(path + ".stalled", "w") as handle:
+            json.dump(stalled, handle)
+
+
+def stalled_sender(world: Any) -> dict[str, Any]:
+    """Rank 1 (its transport dead: no thread of it calls MPI) starts a 1 MiB message to rank 0 and then makes no MPI
+    call for 1 s, so the message stops half-way (no single-copy transfers in this run): rank 0's receive must give
+    up after RECEIVE_SECONDS (0.3 s here) with an error naming rank 1, and end rank 0's transport, not hang it."""
+    from mpi4py import MPI
+
+    from hpdl.dask import connection
+
+    hub = connection._hub
+    assert hub is not None
+    out: dict[str, Any] = {}
+    connection.RECEIVE_SECONDS = 0.3
+    world.Barrier()  # rank 0's transport idle, waiting
+    if world.rank == 1:
+        payload = np.zeros(1 << 20, dtype=np.uint8)
+        request = hub.comm.Isend([payload, MPI.BYTE], dest=0, tag=hub.tag)
+        time.sleep(1.0)
+    else:
+        start = time.monotonic()
+        while hub.progress.error is None and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        out = {
+            "error": _outcome(hub.progress.error) if hub.progress.error else None,
+            "seconds": time.monotonic() - start,
+        }
+    world.Barrier()
+    if world.rank == 1:  # moving again: the message completes into the buffer the transport kept
+        request.Wait()
+    else:
+        MPI.Request.Waitall([abandoned for abandoned, _ in hub._abandoned])
+    return out
 
 
 # --------------------------------------------------------------------------- pytest side
@@ -419,6 +456,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     observed = dict(json.loads(path.read_text()))
     observed["_failure"] = json.loads(path.with_name(path.name + ".failure").read_text())
+    observed["_stalled"] = json.loads(path.with_name(path.name + ".stalled").read_text())
     return observed
 
 
@@ -510,6 +548,12 @@ def test_a_failed_progress_thread_fails_every_waiter(observed: dict[str, Any]) -
         assert "injected failure" in out[waiter]
     assert out["closed"] is True
     assert out["reconnect"].startswith("MPITransportError") and "progress thread failed" in out["reconnect"]
+
+
+def test_a_sender_that_stops_mid_message_is_a_clear_error_not_a_hang(observed: dict[str, Any]) -> None:
+    out = observed["_stalled"]
+    assert out["error"] is not None and out["seconds"] < 10, out
+    assert out["error"].startswith("MPITransportError") and "from rank 1 has not finished arriving" in out["error"]
 
 
 # --------------------------------------------------------------------------- units (one process, no MPI)

@@ -66,6 +66,8 @@ read: MiBs in this time); larger ones are left to the progress thread (one more 
 FALLBACK_POLL = 10e-3
 """While a loop waits on the doorbell, the progress thread probes for unannounced messages after this many seconds
 without a ring (a CONNECT from a rank that does not know this one yet waits that long at most)."""
+RECEIVE_SECONDS = 60.0
+"""How long the rest of a message may take to arrive once its start has (see `Hub._finish_receive`)."""
 RETRY_SECONDS = 5e-3
 """How long a loop keeps looking, at each of its turns, for a message whose ring came first (over a network)."""
 EOF = None
@@ -243,6 +245,8 @@ class Hub:
         self._next_poll = 0.0
         self._retry_until = 0.0
         self._rung = 0.0
+        self._abandoned: list[tuple[Any, np.ndarray]] = []
+        """Receives given up on (`_finish_receive`) and their buffers, which MPI may still fill."""
         self._pushed: set[int] = set()
         """Ranks whose pending sends from here need this process's MPI progress (see `_watch_sent`)."""
         self._sent: dict[int, int] = {}
@@ -373,7 +377,11 @@ class Hub:
             if self.progress.error is not None:
                 return True
             self.progress.test_groups()
-            found = self._poll_locked()
+            try:
+                found = self._poll_locked()
+            except MPITransportError as error:  # a sender stopped mid-message: end the transport, as the thread
+                self.progress.submit(functools.partial(_raise, error))  # does for its own errors (every waiter
+                return True  # gets TransportFailed)
             deadline = time.perf_counter() + FRAMES_SPIN
             while found and self._arriving and time.perf_counter() < deadline:
                 self._complete()
@@ -570,9 +578,25 @@ class Hub:
             request = message.Irecv([buffer, self.MPI.BYTE])
             if not request.Test():  # the sender must move the rest (see `_watch_sent`): ask it to, then wait
                 self._ask_push(source)
-                request.Wait()
+                self._finish_receive(request, source, buffer)
             self._handle(source, buffer)
         return self._complete() or busy
+
+    def _finish_receive(self, request: Any, source: int, buffer: np.ndarray) -> None:
+        """Wait for the rest of a message whose start has arrived, testing with growing naps (not a spin: the
+        sender may need this core), for at most RECEIVE_SECONDS: a sender that stops moving it (hung, or dead
+        without MPI noticing) fails this transport with an error that names it, instead of a hang."""
+        nap, deadline = 10e-6, time.monotonic() + RECEIVE_SECONDS
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self._abandoned.append((request, buffer))  # MPI may still write into it: keep it alive
+                raise MPITransportError(
+                    f"mpi://: a {buffer.nbytes}-byte message from rank {source} has not finished arriving after "
+                    f"{RECEIVE_SECONDS:g} s (its first bytes came): that rank has stopped moving it (hung, or dead); "
+                    "this process's mpi:// connections cannot go on"
+                )
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
 
     def _complete(self) -> bool:
         """Deliver every message whose frames have all arrived, in each connection's order."""
@@ -712,6 +736,10 @@ class Hub:
 
 def _nothing() -> None:
     pass
+
+
+def _raise(error: BaseException) -> None:
+    raise error
 
 
 def _guarded(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable[..., Any], *args: Any) -> None:
