@@ -255,6 +255,8 @@ class Hub:
         """rank -> messages received from it by a probe..."""
         self._announced: dict[int, int] = {}
         """... and how many its rings said it had sent: more than received, one is still on its way."""
+        self._fallback_interval = max(self.progress.backoff.cap, FALLBACK_POLL)
+        """Seconds between the progress thread's probes while a loop waits on the doorbell (`_background_poll`)."""
         self.progress.idle_cap = self._idle_cap
         self.progress.add_poller(self._background_poll)
         self.progress.add_failure_handler(self._on_failure)
@@ -416,10 +418,9 @@ class Hub:
             now = time.monotonic()
             loop = self._bell_loop
             if loop is not None and loop.is_running() and not (self._retry_until == 0.0 and self._owed()):
-                interval = max(self.progress.backoff.cap, FALLBACK_POLL)
-                if now < self._next_poll or now - self._rung < interval:
+                if now < self._next_poll or now - self._rung < self._fallback_interval:
                     return busy
-                self._next_poll = now + interval
+                self._next_poll = now + self._fallback_interval
             return self._poll_locked() or busy
 
     def _idle_cap(self) -> float:
@@ -427,10 +428,9 @@ class Hub:
         sleeping until then spares the loops a GIL hand-over every millisecond (5-10% of a small message's time,
         over tcp:// as well as mpi://, in the same process)."""
         loop = self._bell_loop
-        cap = self.progress.backoff.cap
         if self.direct and loop is not None and loop.is_running():
-            return max(cap, FALLBACK_POLL)
-        return cap
+            return self._fallback_interval
+        return self.progress.backoff.cap
 
     async def wait_request(self, start: Callable[[], Any]) -> None:
         """Start a non-blocking MPI operation on the progress thread (e.g. `lambda: comm.Ibarrier()`) and await it.

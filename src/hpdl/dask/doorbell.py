@@ -87,10 +87,10 @@ class Doorbell:
     def ring(self, peer: BellAddress, rank: int, sent: int) -> None:
         """Ring a peer's doorbell (never blocks: a full queue already holds a ring, a lost one is polled for)."""
         ring = RING.pack(rank, sent)
-        name = self._names.get(peer.token)
-        if name is None:
-            name = self._names[peer.token] = _unix_name(peer.token)
         if peer.token not in self._remote:
+            name = self._names.get(peer.token)
+            if name is None:
+                name = self._names[peer.token] = _unix_name(peer.token)
             try:
                 self.unix.sendto(ring, name)
                 return

@@ -144,8 +144,9 @@ class Progress:
         self.in_flight: Callable[[], bool] = lambda: False
         """Whether the owner has requests in flight besides the watched groups (keeps the thread polling hot)."""
         self.idle_cap: Callable[[], float] = lambda: self.backoff.cap
-        """The longest sleep while nothing is in flight and no group waits (the owner may know it is told of work:
-        every wake-up of this thread takes the GIL from the process's event loops)."""
+        """The longest sleep while nothing is in flight, waits included (the owner may know that it is told of new
+        work and that its waits are tested elsewhere: every wake-up of this thread takes the GIL from the event
+        loops)."""
         self._stopping = False
         self.drain_seconds = 2.0
         """At stop, how long queued operations and in-flight sends may still take."""
