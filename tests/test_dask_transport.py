@@ -300,7 +300,8 @@ def _outcome(error: BaseException) -> str:
 
 async def transport_failure() -> dict[str, Any]:
     """Kill this rank's progress thread while a read, a connect, a request and a send wait on it: each must fail
-    (not hang), and so must every later use. A connection to this same rank carries the traffic."""
+    (not hang), and so must every later use. A connection to this same rank carries the traffic (its reader fails
+    with the transport, though nothing of it crosses MPI)."""
     from distributed.comm import connect, listen
     from mpi4py import MPI
 
@@ -316,7 +317,7 @@ async def transport_failure() -> dict[str, Any]:
     await asyncio.sleep(0.05)
     gate = threading.Event()
     hub.progress.submit(lambda: gate.wait(10))  # hold the thread until everything below is queued behind it
-    connecting = asyncio.ensure_future(hub.connect(hub.rank, listener.contact_address.rsplit(":", 1)[1]))
+    connecting = asyncio.ensure_future(hub.connect(0, "1"))  # rank 0's answer needs this rank's transport
     box = np.zeros(1)
     requesting = asyncio.ensure_future(hub.wait_request(lambda: MPI.COMM_SELF.Irecv(box, source=0, tag=5)))
     await asyncio.sleep(0.05)  # both coroutines have queued their operations
@@ -353,6 +354,51 @@ async def transport_failure() -> dict[str, Any]:
         out["reconnect"] = _outcome(error)
     listener.stop()
     return out
+
+
+async def within_one_process() -> dict[str, Any]:
+    """A connection from a rank to its own listener (a worker's shuffle sends to itself): echoed messages of every
+    size, a NumPy frame changed by its writer right after the write (the reader must get what was written: a copy,
+    as from a socket), closes from each side; and no MPI message for any of it (the hub's count to itself)."""
+    from distributed.comm import CommClosedError, connect, listen
+    from distributed.protocol import to_serialize
+
+    from hpdl.dask.connection import get_hub
+
+    hub = get_hub()
+    sent_before = hub._sent.get(hub.rank, 0)
+    listener = await listen("mpi://", echo)
+    comm = await connect(listener.contact_address, timeout=10)
+    same = []
+    for n in (0, 1, 70_000, INLINE, LARGE):
+        payload = os.urandom(n)
+        await comm.write({"data": payload})
+        same.append((await comm.read())["data"] == payload)
+    array = np.arange(LARGE // 8, dtype=np.float64)
+    await comm.write({"x": to_serialize(array)})
+    array[:] = -1.0  # the write is done: the writer may reuse its buffer
+    back = (await comm.read())["x"]
+    await comm.close()
+    reply_after_close = "?"
+    server_closes = await connect(listener.contact_address, timeout=10)
+    own = hub._channels.get((hub.rank, server_closes._channel.cid, False))
+    assert own is not None
+    hub.close(own)  # the listener's end closes: this end's reader gets EOF, as from a socket
+    try:
+        await asyncio.wait_for(server_closes.read(), 10)
+        reply_after_close = "read"
+    except CommClosedError:
+        reply_after_close = "CommClosedError"
+    listener.stop()
+    await asyncio.sleep(0.05)
+    left = [key for key in hub._channels if key[0] == hub.rank]
+    return {
+        "bytes_equal": same,
+        "array_as_written": bool(np.array_equal(back, np.arange(LARGE // 8, dtype=np.float64))),
+        "server_closes": reply_after_close,
+        "channels_left": left,
+        "mpi_messages_to_itself": hub._sent.get(hub.rank, 0) - sent_before,
+    }
 
 
 def wait_then_heat(progress: Any) -> dict[str, Any]:
@@ -393,6 +439,7 @@ def script_main(path: str) -> None:
 
     mine = asyncio.run(everything())
     mine["_pushed"] = sorted(get_hub()._pushed)
+    mine["_within"] = asyncio.run(within_one_process())
     mine["_waits"] = wait_then_heat(get_hub().progress)
     both = call(lambda: world.gather(mine, root=0))
     if world.rank == 0:
@@ -537,6 +584,17 @@ def test_rank_outside_the_job_is_a_clear_error(observed: dict[str, Any]) -> None
 
 def test_mpi_thread_level(observed: dict[str, Any]) -> None:
     assert observed["_thread_level"]["multiple"] is True  # what mpi4py asks of MPICH by default
+
+
+def test_a_connection_within_one_process_copies_its_frames_and_uses_no_mpi(observed: dict[str, Any]) -> None:
+    for side in ("server", "client"):  # each rank ran it
+        assert observed["_within"][side] == {
+            "bytes_equal": [True] * 5,
+            "array_as_written": True,
+            "server_closes": "CommClosedError",
+            "channels_left": [],
+            "mpi_messages_to_itself": 0,
+        }
 
 
 def test_a_failed_progress_thread_fails_every_waiter(observed: dict[str, Any]) -> None:

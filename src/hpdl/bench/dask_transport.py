@@ -11,7 +11,9 @@ repetition) on the same ranks and data:
                 x = da.random.RandomState(0).random_sample((n, n), chunks=c) (20,000 / 2,000 by default), and of
                 the data-science workloads of `hpdl.bench.dask_workloads` (a p2p-shuffled groupby-aggregate and
                 merge of 10^7 rows, 10^4 delayed tasks of 1 ms, hpdl.ml K-Means on a Dask array); both clusters
-                must return the same result.
+                must return the same result. A third cluster, its single worker on the first worker rank, runs
+                the same without anything crossing between workers: with the job's CPU seconds it bounds what
+                any transport could gain on this machine (a shuffle on 2 busy cores is CPU-bound).
 
 Start it with `hpdl bench dask [--quick]` (this module's `launch`), which runs
 `mpiexec -n 4 python -m hpdl.bench.dask_transport --worker ...`: every rank on this machine (scheduler 0,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -41,6 +44,10 @@ __all__ = ["launch", "main"]
 
 MODULE = "hpdl.bench.dask_transport"
 PROTOCOLS = ("tcp", "mpi")
+ONE = "one worker"
+"""The workloads' bound: a third cluster (tcp://) with a single worker, so no shard or task result crosses between
+workers; the best any transport could do is what its time and CPU allow on two (see `_ceiling`)."""
+CLUSTERS = (*PROTOCOLS, ONE)
 LISTEN = {"tcp": "tcp://127.0.0.1", "mpi": "mpi://"}
 RANKS = 4
 MIB = 1 << 20
@@ -342,21 +349,28 @@ async def _schedulers(options: Options, world: Any, call: Any) -> None:
     async with (
         Scheduler(protocol="tcp", host=_tcp_host(options), dashboard_address="127.0.0.1:0") as tcp,
         Scheduler(protocol="mpi", dashboard_address="127.0.0.1:0") as mpi,
+        Scheduler(protocol="tcp", host=_tcp_host(options), dashboard_address="127.0.0.1:0") as one,
     ):
-        addresses = {"tcp": tcp.address, "mpi": mpi.address}
+        addresses = {"tcp": tcp.address, "mpi": mpi.address, ONE: one.address}
         await asyncio.get_running_loop().run_in_executor(None, call, lambda: world.bcast(addresses, root=root))
-        await asyncio.gather(tcp.finished(), mpi.finished())
+        await asyncio.gather(tcp.finished(), mpi.finished(), one.finished())
 
 
 async def _workers(options: Options, addresses: dict[str, str], rank: int) -> None:
     from distributed import Worker
 
     common: dict[str, Any] = {"nthreads": 1, "dashboard": False, "death_timeout": 300}
-    async with (
-        Worker(addresses["tcp"], protocol="tcp", host=_tcp_host(options), name=f"tcp-{rank}", **common) as a,
-        Worker(addresses["mpi"], protocol="mpi", name=f"mpi-{rank}", **common) as b,
-    ):
-        await asyncio.gather(a.finished(), b.finished())
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            await stack.enter_async_context(
+                Worker(addresses["tcp"], protocol="tcp", host=_tcp_host(options), name=f"tcp-{rank}", **common)
+            ),
+            await stack.enter_async_context(Worker(addresses["mpi"], protocol="mpi", name=f"mpi-{rank}", **common)),
+        ]
+        if rank == options.roles[2][0]:  # the bound's single worker lives beside the first worker rank's two
+            one = Worker(addresses[ONE], protocol="tcp", host=_tcp_host(options), name=f"one-{rank}", **common)
+            workers.append(await stack.enter_async_context(one))
+        await asyncio.gather(*(w.finished() for w in workers))
 
 
 def _xxt(options: Options) -> Any:
@@ -385,39 +399,52 @@ def _sizes_of(name: str, options: Options) -> str:
     }[name]
 
 
+def _job_cpu_seconds(client: Any) -> float:
+    """CPU seconds (every thread) used so far by the job's four processes: the workers' ranks (which hold a worker
+    of every cluster), the schedulers' rank and this client's."""
+    workers = client.run(time.process_time)
+    return float(sum(workers.values()) + client.run_on_scheduler(time.process_time) + time.process_time())
+
+
 def _workloads_client(options: Options, addresses: dict[str, str]) -> list[dict[str, Any]]:
-    """Each workload: a warm-up on each cluster, then `xxt_reps` runs alternating in a random order; the checks
-    of every run must agree across the clusters (else the benchmark stops with both results)."""
+    """Each workload: a warm-up on each cluster, then `xxt_reps` runs alternating in a random order, each with the
+    job's CPU seconds; the checks of every run must agree across the clusters (else the benchmark stops with all
+    results)."""
     from distributed import Client
 
-    clients = {p: Client(addresses[p], timeout=120) for p in PROTOCOLS}
+    clients = {p: Client(addresses[p], timeout=120) for p in CLUSTERS}
     records: list[dict[str, Any]] = []
     try:
-        for c in clients.values():
-            c.wait_for_workers(2, timeout=120)
+        for p, c in clients.items():
+            c.wait_for_workers(1 if p == ONE else 2, timeout=120)
         for name in options.workloads:
-            times: dict[str, list[float]] = {p: [] for p in PROTOCOLS}
-            checks: dict[str, list[Any]] = {p: [] for p in PROTOCOLS}
-            for p in PROTOCOLS if not options.quick else ():  # warm up (imports, connections, compiled kernels)
+            times: dict[str, list[float]] = {p: [] for p in CLUSTERS}
+            cpu: dict[str, list[float]] = {p: [] for p in CLUSTERS}
+            checks: dict[str, list[Any]] = {p: [] for p in CLUSTERS}
+            for p in CLUSTERS if not options.quick else ():  # warm up (imports, connections, compiled kernels)
                 checks[p].append(_run_workload(name, options, clients[p])[1])
             for r in range(options.xxt_reps):
-                for i in np.random.default_rng(r).permutation(len(PROTOCOLS)):
-                    p = PROTOCOLS[i]
+                for i in np.random.default_rng(r).permutation(len(CLUSTERS)):
+                    p = CLUSTERS[i]
+                    before = _job_cpu_seconds(clients["tcp"])
                     seconds, check = _run_workload(name, options, clients[p])
+                    cpu[p].append(_job_cpu_seconds(clients["tcp"]) - before)
                     times[p].append(seconds)
                     checks[p].append(check)
             first = checks["tcp"][0]
-            if not all(dask_workloads.same(first, c) for p in PROTOCOLS for c in checks[p]):
+            if not all(dask_workloads.same(first, c) for p in CLUSTERS for c in checks[p]):
                 raise RuntimeError(f"{name}: the clusters disagree: {checks}")
-            for p in PROTOCOLS:
+            for p in CLUSTERS:
                 records.append(
                     {
                         "measurement": name,
                         "transport": p,
                         "size": _sizes_of(name, options),
-                        "workers": 2,
+                        "workers": 1 if p == ONE else 2,
                         "threads_per_worker": 1,
+                        "cores": os.cpu_count() or 1,
                         "seconds": report.summarize(times[p]),
+                        "cpu_seconds": report.summarize(cpu[p]),
                         "result": first,
                     }
                 )
@@ -483,18 +510,39 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[list[Any]], list[list[A
     for name in WORKLOADS:
         if (name, "tcp", None) not in by:
             continue
-        tcp, mpi = by[(name, "tcp", None)], by[(name, "mpi", None)]
-        speedup = tcp["seconds"]["median"] / mpi["seconds"]["median"]
-        mpi["speedup_vs_tcp"] = speedup
-        for r, ratio in ((tcp, 1.0), (mpi, speedup)):
-            t = r["seconds"]
-            work_rows.append([name, r["size"], r["transport"], t["median"], f"{t['min']:.2f}-{t['max']:.2f}", ratio])
+        tcp, mpi, one = (by[(name, p, None)] for p in CLUSTERS)
+        for r in (mpi, one):
+            r["speedup_vs_tcp"] = tcp["seconds"]["median"] / r["seconds"]["median"]
+        tcp["speedup_vs_tcp"] = 1.0
+        ceiling, why = _ceiling(tcp, one)
+        mpi["ceiling_vs_tcp"] = ceiling
+        for r in (tcp, mpi, one):
+            t, c = r["seconds"], r["cpu_seconds"]["median"]
+            work_rows.append(
+                [name, r["size"], r["transport"], t["median"], f"{t['min']:.2f}-{t['max']:.2f}", c,
+                 c / t["median"], r["speedup_vs_tcp"]]
+            )  # fmt: skip
         if name in TARGETS:
+            speedup = mpi["speedup_vs_tcp"]
             verdicts.append(
                 f"{report.verdict(speedup >= TARGETS[name])} {name}: mpi:// {speedup:.2f}x faster than tcp:// "
-                f"(target >= {TARGETS[name]}x), the same result on both"
+                f"(target >= {TARGETS[name]}x), the same result on both; ceiling for any transport here "
+                f"{ceiling:.2f} times tcp://'s speed ({why})"
             )
     return ping_rows, work_rows, verdicts
+
+
+def _ceiling(tcp: dict[str, Any], one: dict[str, Any]) -> tuple[float, str]:
+    """The most any transport could speed a workload up over tcp://, and why: two workers take at least half the
+    single worker's time (perfect scaling), and at least the CPU the single worker's run needed, spread over every
+    core (its run moves nothing between workers: that CPU is the work itself, which two workers must do too)."""
+    alone, cpu, cores = one["seconds"]["median"], one["cpu_seconds"]["median"], one["cores"]
+    fastest = max(alone / 2, cpu / cores)
+    if cpu / cores >= alone / 2:
+        why = f"its work takes {cpu:.2f} CPU-s on one worker without network; {cores} cores"
+    else:
+        why = f"one worker without network takes {alone:.2f} s: at best half that on two"
+    return tcp["seconds"]["median"] / fastest, why
 
 
 PING_HEADERS = [
@@ -508,7 +556,9 @@ PING_HEADERS = [
     "mpi min-max",
     "mpi/tcp throughput",
 ]
-WORK_HEADERS = ["workload", "size", "transport", "seconds (median)", "min-max", "speedup vs tcp"]
+WORK_HEADERS = [
+    "workload", "size", "transport", "seconds (median)", "min-max", "CPU s", "cores busy", "speedup vs tcp"
+]  # fmt: skip
 
 
 def write_report(options: Options, records: list[dict[str, Any]], config: dict[str, Any], elapsed: float) -> None:
@@ -528,11 +578,15 @@ def write_report(options: Options, records: list[dict[str, Any]], config: dict[s
     notes = [
         "latency = round-trip time / 2 of one Dask message (a NumPy buffer of the size) through distributed.comm.",
         f"throughput = {options.window} messages sent back to back, then one acknowledgement; MB = 1e6 bytes.",
-        "workloads: a cluster per transport, both up at once, alternating; "
+        "workloads: a cluster per transport, and a third with one worker (tcp://, nothing crosses between workers: "
+        "the bound), all up at once, alternating; "
         + ("no warm-up (--quick: the first run pays imports and compiled kernels); " if options.quick else "")
-        + "the results of every run checked equal across the transports (integer sums; K-Means' inertia to 1e-9).",
+        + "the results of every run checked equal across the clusters (integer sums; K-Means' inertia to 1e-9).",
+        "CPU s: CPU seconds of the job's 4 processes (every thread) during a run, median; cores busy = CPU s / "
+        "seconds. A target line's ceiling: two workers need at least half the single worker's time, and its CPU "
+        "seconds spread over every core of the machine.",
         "groupby and merge: dask.dataframe with shuffle_method='p2p'; tasks: dask.delayed calls that sleep.",
-        "Transports alternate in a new random order every repetition; min-max over repetitions.",
+        "Clusters alternate in a new random order every repetition; min-max over repetitions.",
     ]
     blocks = ["## Ping-pong", report.markdown_table(PING_HEADERS, ping_rows)]
     if work_rows:

@@ -29,13 +29,27 @@ import socket
 import struct
 from typing import NamedTuple, Optional
 
-__all__ = ["BellAddress", "Doorbell"]
+__all__ = ["BellAddress", "Doorbell", "Rings"]
 
 logger = logging.getLogger(__name__)
 RING = struct.Struct("<qq")
 """A ring: the sender's rank and the count of messages it has sent to the receiver (PUSH: see `ask_push`)."""
 PUSH = -1
 """The count of a ring that asks the receiver to drive MPI for its sends to the ringer."""
+FETCHED = -2
+"""The count of a ring that tells the receiver the ringer has taken a large message it sent (its send completes at
+its next MPI call)."""
+
+
+class Rings(NamedTuple):
+    """What a doorbell's pending rings said."""
+
+    counts: dict[int, int]
+    """sender's rank -> the most messages it says it has sent to this process."""
+    pushes: set[int]
+    """Ranks that asked for a push (`ask_push`)."""
+    fetched: set[int]
+    """Ranks that have received a large message from this process (`tell_fetched`)."""
 
 
 class BellAddress(NamedTuple):
@@ -113,11 +127,16 @@ class Doorbell:
         finish without the sender's MPI calls (no single-copy path between them), which its rings never need."""
         self.ring(peer, rank, PUSH)
 
-    def drain(self, fd: Optional[int] = None) -> tuple[dict[int, int], set[int]]:
-        """Take every pending ring (of the socket `fd` only, if given: the one that is readable): {sender's rank: the
-        most messages it says it has sent to this process}, and the ranks that asked for a push (`ask_push`)."""
+    def tell_fetched(self, peer: BellAddress, rank: int) -> None:
+        """Tell a peer that `rank` (this process) has received a large message of its: the peer does not poll such
+        sends (over shared memory the receiver copies them itself), and one MPI call of its now completes them."""
+        self.ring(peer, rank, FETCHED)
+
+    def drain(self, fd: Optional[int] = None) -> Rings:
+        """Take every pending ring (of the socket `fd` only, if given: the one that is readable)."""
         counts: dict[int, int] = {}
         pushes: set[int] = set()
+        fetched: set[int] = set()
         for sock in (self.unix, self.udp):
             if sock is None or (fd is not None and sock.fileno() != fd):
                 continue
@@ -132,9 +151,11 @@ class Doorbell:
                     rank, sent = RING.unpack(data)
                     if sent == PUSH:
                         pushes.add(rank)
+                    elif sent == FETCHED:
+                        fetched.add(rank)
                     else:
                         counts[rank] = max(sent, counts.get(rank, 0))
-        return counts, pushes
+        return Rings(counts, pushes, fetched)
 
     def close(self) -> None:
         for sock in (self.unix, self.udp):

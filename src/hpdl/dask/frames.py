@@ -24,6 +24,7 @@ __all__ = [
     "Kind",
     "chunk_bytes",
     "chunks",
+    "copied",
     "inline_limit",
     "pack_header",
     "pack_inline",
@@ -108,6 +109,16 @@ def unpack(message: np.ndarray) -> tuple[Kind, int, int, list[int], list[memoryv
         frames.append(data[:size])
         data = data[size:]
     return kind, cid, side, sizes, frames
+
+
+def copied(views: Sequence[memoryview]) -> list[memoryview]:
+    """A copy of each frame in fresh host memory: what the reader of a socket gets (bytes of its own, which the
+    writer may reuse or change once the write is done)."""
+    copies = receive_buffers([view.nbytes for view in views])
+    for copy, view in zip(copies, views):
+        if view.nbytes:
+            np.frombuffer(copy, dtype=np.uint8)[:] = np.frombuffer(view, dtype=np.uint8)
+    return copies
 
 
 def receive_buffers(sizes: Sequence[int]) -> list[memoryview]:
