@@ -46,7 +46,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -484,14 +484,11 @@ class Hub:
 
     def _fetched(self, source: int) -> None:
         """A large message from `source` has arrived whole: its sender may complete the send (see `_needs_push`)."""
-        if source == self.rank:
-            self.progress.test_groups()
-            return
         bell = self._bells.get(source)
         if bell is not None:
             self.doorbell.tell_fetched(bell, self.rank)
 
-    def _isend_rung(self, buffer: Any, dest: int, frames: list[Any] = []) -> list[Any]:  # noqa: B006 - never changed
+    def _isend_rung(self, buffer: Any, dest: int, frames: Sequence[Any] = ()) -> list[Any]:
         """Send a message that the receiver probes for (a header, an inline message, a control message), counted,
         and the frames that follow it; then ring `dest` with the count (once every frame is under way: a receiver
         that woke between them would find its frames missing and ask for a push). Returns every request."""
@@ -557,7 +554,7 @@ class Hub:
             on_error=functools.partial(_reject, loop, future),
             hot=hot,
             key=channel.peer,
-        )  # else the receiver's `tell_fetched` (or this process's own receive) completes it
+        )  # else the receiver's `tell_fetched` completes it
         if hot:
             self.progress.kick()
         return requests
@@ -586,10 +583,7 @@ class Hub:
         heats the pending sends to it and marks it, so that its later sends
         are polled hot from the start. A large message's receiver says when
         it has taken it (`Doorbell.tell_fetched`): that ring's handler tests
-        the sends, so the writer awaiting one is not left to the back-off.
-        Sends to this process itself complete in its own receive."""
-        if peer == self.rank:
-            return False
+        the sends, so the writer awaiting one is not left to the back-off."""
         bell = self._bells.get(peer)
         return peer in self._pushed or bell is None or not self.doorbell.is_local(bell)  # another host: no such path
 

@@ -222,17 +222,13 @@ class Progress:
                 raise self.failure(self.error)
             self._groups.append(Group(requests, on_done, keep, on_error, hot, key))
 
-    def heat(self, key: Any) -> bool:
-        """The watched groups of `key` need this process's MPI progress now: poll them hot (any thread); whether
-        there were any."""
-        found = False
+    def heat(self, key: Any) -> None:
+        """The watched groups of `key` need this process's MPI progress now: poll them hot (any thread)."""
         with self.lock:
             for group in self._groups:
                 if group.key == key:
-                    group.hot = found = True
-        if found:
-            self.kick()
-        return found
+                    group.hot = True
+        self.kick()
 
     # ---------------------------------------------------------------- progress thread only
 
@@ -245,18 +241,14 @@ class Progress:
             from mpi4py import MPI
 
             testall = MPI.Request.Testall
-            groups, self._groups = self._groups, []  # an `on_done` may watch more, or test again: neither is lost
-            pending, busy, tested = [], False, 0
-            try:
-                for group in groups:
-                    if testall(group.requests):
-                        busy = busy or group.hot  # a wait that ended is no sign of more MPI work to come
-                        group.on_done()
-                    else:
-                        pending.append(group)
-                    tested += 1
-            finally:  # a failing test or `on_done`: that group and those not yet tested get the thread's failure
-                self._groups = pending + groups[tested:] + self._groups
+            pending, busy = [], False
+            for group in self._groups:
+                if testall(group.requests):
+                    busy = busy or group.hot  # a wait that ended is no sign of more MPI work to come
+                    group.on_done()
+                else:
+                    pending.append(group)
+            self._groups = pending
             return busy
 
     def add_poller(self, poll: Callable[[], bool]) -> None:
