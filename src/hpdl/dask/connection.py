@@ -386,7 +386,7 @@ class Hub:
                 self.progress.kick()  # its tick tests the sends that peers have fetched, too
                 return
             self._rung = time.monotonic()
-            self._receive_now()  # it tests every watched send first: those that `rings.fetched` took complete
+            self._receive_now()  # it tests every watched send first: those a `tell_fetched` ring announced complete
             if self._owed() and self._retry_until <= self._rung:
                 # rung before MPI showed a message (queued sends on shared memory, a network): look again at each
                 # turn of the loop for a while

@@ -48,8 +48,6 @@ class Rings(NamedTuple):
     """sender's rank -> the most messages it says it has sent to this process."""
     pushes: set[int]
     """Ranks that asked for a push (`ask_push`)."""
-    fetched: set[int]
-    """Ranks that have received a large message from this process (`tell_fetched`)."""
 
 
 class BellAddress(NamedTuple):
@@ -136,7 +134,6 @@ class Doorbell:
         """Take every pending ring (of the socket `fd` only, if given: the one that is readable)."""
         counts: dict[int, int] = {}
         pushes: set[int] = set()
-        fetched: set[int] = set()
         for sock in (self.unix, self.udp):
             if sock is None or (fd is not None and sock.fileno() != fd):
                 continue
@@ -151,11 +148,11 @@ class Doorbell:
                     rank, sent = RING.unpack(data)
                     if sent == PUSH:
                         pushes.add(rank)
-                    elif sent == FETCHED:
-                        fetched.add(rank)
+                    elif sent == FETCHED:  # the wake-up is the message: the loop's receive tests every watched send
+                        continue
                     else:
                         counts[rank] = max(sent, counts.get(rank, 0))
-        return Rings(counts, pushes, fetched)
+        return Rings(counts, pushes)
 
     def close(self) -> None:
         for sock in (self.unix, self.udp):
