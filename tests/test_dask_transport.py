@@ -379,7 +379,6 @@ async def within_one_process() -> dict[str, Any]:
     array[:] = -1.0  # the write is done: the writer may reuse its buffer
     back = (await comm.read())["x"]
     await comm.close()
-    reply_after_close = "?"
     server_closes = await connect(listener.contact_address, timeout=10)
     own = hub._channels.get((hub.rank, server_closes._channel.cid, False))
     assert own is not None
@@ -515,7 +514,7 @@ def test_ping_pong(observed: dict[str, Any], protocol: str) -> None:
 
 def test_a_receiver_that_needs_its_sender_asks_for_a_push(observed: dict[str, Any]) -> None:
     """Without single-copy transfers a 1 MiB message cannot arrive until its sender's MPI moves the rest: each side
-    learnt that from the other's receive (`Doorbell.ask_push`), and the messages above arrived whole."""
+    learnt that from the other's receive (a PUSH ring), and the messages above arrived whole."""
     assert observed["_pushed"] == {"server": [1], "client": [0]}
 
 

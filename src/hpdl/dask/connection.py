@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hpdl.dask import frames as wire
-from hpdl.dask.doorbell import BellAddress, Doorbell
+from hpdl.dask.doorbell import FETCHED, PUSH, BellAddress, Doorbell
 from hpdl.dask.progress import Progress
 from hpdl.errors import HpdlError
 from hpdl.runtime.memory import keep_freed_memory
@@ -386,7 +386,7 @@ class Hub:
                 self.progress.kick()  # its tick tests the sends that peers have fetched, too
                 return
             self._rung = time.monotonic()
-            self._receive_now()  # it tests every watched send first: those a `tell_fetched` ring announced complete
+            self._receive_now()  # it tests every watched send first: those a FETCHED ring announced complete
             if self._owed() and self._retry_until <= self._rung:
                 # rung before MPI showed a message (queued sends on shared memory, a network): look again at each
                 # turn of the loop for a while
@@ -472,21 +472,18 @@ class Hub:
     def _isend(self, buffer: Any, dest: int) -> Any:
         return self.comm.Isend([buffer, self.MPI.BYTE], dest=dest, tag=self.tag)
 
-    def _ring(self, dest: int, sent: int) -> None:
+    def _ring(self, dest: int, count: int) -> None:
+        """Ring `dest`'s doorbell, if known, with a count of messages sent to it, or PUSH or FETCHED."""
         bell = self._bells.get(dest)
         if bell is not None:
-            self.doorbell.ring(bell, self.rank, sent)
+            self.doorbell.ring(bell, self.rank, count)
 
     def _ask_push(self, source: int) -> None:
-        bell = self._bells.get(source)
-        if bell is not None:
-            self.doorbell.ask_push(bell, self.rank)
+        self._ring(source, PUSH)
 
     def _fetched(self, source: int) -> None:
         """A large message from `source` has arrived whole: its sender may complete the send (see `_needs_push`)."""
-        bell = self._bells.get(source)
-        if bell is not None:
-            self.doorbell.tell_fetched(bell, self.rank)
+        self._ring(source, FETCHED)
 
     def _isend_rung(self, buffer: Any, dest: int, frames: Sequence[Any] = ()) -> list[Any]:
         """Send a message that the receiver probes for (a header, an inline message, a control message), counted,
@@ -546,23 +543,27 @@ class Hub:
             else:
                 _resolve(loop, future, total)
             return None
-        hot = self._needs_push(channel.peer)
-        self.progress.watch(
+        self._watch_sent(
+            channel.peer,
             requests,
+            buffers,
             functools.partial(_resolve, loop, future, total),
-            keep=buffers,
-            on_error=functools.partial(_reject, loop, future),
-            hot=hot,
-            key=channel.peer,
-        )  # else the receiver's `tell_fetched` completes it
-        if hot:
-            self.progress.kick()
+            functools.partial(_reject, loop, future),
+        )
         return requests
 
-    def _watch_sent(self, peer: int, requests: list[Any], buffers: list[Any]) -> None:
-        """Keep this transport's copy of a message until MPI has sent it."""
+    def _watch_sent(
+        self,
+        peer: int,
+        requests: list[Any],
+        buffers: list[Any],
+        on_done: Optional[Callable[[], None]] = None,
+        on_error: Optional[Callable[[BaseException], None]] = None,
+    ) -> None:
+        """Keep a message's buffers until MPI has sent it (hot where it needs this process's MPI calls; else the
+        receiver's FETCHED ring, the loops' own MPI calls or the back-off's tick complete it)."""
         hot = self._needs_push(peer)
-        self.progress.watch(requests, _nothing, keep=buffers, hot=hot, key=peer)
+        self.progress.watch(requests, on_done or _nothing, keep=buffers, on_error=on_error, hot=hot, key=peer)
         if hot:
             self.progress.kick()
 
@@ -579,10 +580,10 @@ class Hub:
         finish until this process moves the rest of the message: sends to
         another host are polled hot from the start (over a network MPI may not
         even show the message before its sender's next call); on this host
-        (CMA off) the receiver asks for a push (`Doorbell.ask_push`), which
+        (CMA off) the receiver asks for a push (a PUSH ring), which
         heats the pending sends to it and marks it, so that its later sends
         are polled hot from the start. A large message's receiver says when
-        it has taken it (`Doorbell.tell_fetched`): that ring's handler tests
+        it has taken it (a FETCHED ring): that ring's handler tests
         the sends, so the writer awaiting one is not left to the back-off."""
         bell = self._bells.get(peer)
         return peer in self._pushed or bell is None or not self.doorbell.is_local(bell)  # another host: no such path
@@ -786,7 +787,8 @@ class Hub:
     def _deliver(self, channel: Channel) -> bool:
         busy = False
         while channel.receiving:
-            requests, views = channel.receiving[0].requests, channel.receiving[0].views
+            arrival = channel.receiving[0]
+            requests, views = arrival.requests, arrival.views
             if requests and not self.MPI.Request.Testall(requests):
                 break
             channel.receiving.pop(0)

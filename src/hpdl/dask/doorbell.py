@@ -29,16 +29,17 @@ import socket
 import struct
 from typing import NamedTuple, Optional
 
-__all__ = ["BellAddress", "Doorbell", "Rings"]
+__all__ = ["FETCHED", "PUSH", "BellAddress", "Doorbell", "Rings"]
 
 logger = logging.getLogger(__name__)
 RING = struct.Struct("<qq")
-"""A ring: the sender's rank and the count of messages it has sent to the receiver (PUSH: see `ask_push`)."""
+"""A ring: the sender's rank and the count of messages it has sent to the receiver, or PUSH or FETCHED."""
 PUSH = -1
-"""The count of a ring that asks the receiver to drive MPI for its sends to the ringer."""
+"""The count of a ring that asks the receiver to drive MPI for its sends to the ringer: the ringer's receive cannot
+finish without the sender's MPI calls (no single-copy path between them), which plain rings never need."""
 FETCHED = -2
-"""The count of a ring that tells the receiver the ringer has taken a large message it sent (its send completes at
-its next MPI call)."""
+"""The count of a ring that tells the receiver the ringer has taken a large message it sent: the receiver does not
+poll such sends (over shared memory the ringer copies them itself), and one MPI call of its now completes them."""
 
 
 class Rings(NamedTuple):
@@ -47,7 +48,7 @@ class Rings(NamedTuple):
     counts: dict[int, int]
     """sender's rank -> the most messages it says it has sent to this process."""
     pushes: set[int]
-    """Ranks that asked for a push (`ask_push`)."""
+    """Ranks that asked for a push (PUSH)."""
 
 
 class BellAddress(NamedTuple):
@@ -119,16 +120,6 @@ class Doorbell:
     def is_local(self, peer: BellAddress) -> bool:
         """Whether `peer` is in this network namespace (its Unix name answered the last ring: this host)."""
         return peer.token not in self._remote
-
-    def ask_push(self, peer: BellAddress, rank: int) -> None:
-        """Ask a peer to drive MPI for the message it is sending to `rank` (this process): the receive cannot
-        finish without the sender's MPI calls (no single-copy path between them), which its rings never need."""
-        self.ring(peer, rank, PUSH)
-
-    def tell_fetched(self, peer: BellAddress, rank: int) -> None:
-        """Tell a peer that `rank` (this process) has received a large message of its: the peer does not poll such
-        sends (over shared memory the receiver copies them itself), and one MPI call of its now completes them."""
-        self.ring(peer, rank, FETCHED)
 
     def drain(self, fd: Optional[int] = None) -> Rings:
         """Take every pending ring (of the socket `fd` only, if given: the one that is readable)."""
