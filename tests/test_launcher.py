@@ -450,6 +450,17 @@ def test_ranks_put_large_torch_tensors_on_huge_pages_unless_the_caller_chose():
     assert spawn.job_environment("torch", 2, base={"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
+def test_ranks_get_their_share_of_the_cores_in_openmp_and_tensorflows_pools_unless_the_caller_chose():
+    """TensorFlow ignores OMP_NUM_THREADS: without its own variables every rank's pools take the whole machine."""
+    from hpdl.runtime import spawn
+
+    env = spawn.job_environment("mpi", 2, base={})
+    share = str(spawn.threads_per_rank(2))
+    assert [env[k] for k in ("OMP_NUM_THREADS", *spawn.TF_THREAD_VARIABLES)] == [share] * 3, env
+    env = spawn.job_environment("mpi", 2, base={"OMP_NUM_THREADS": "3", "TF_NUM_INTEROP_THREADS": "2"})
+    assert [env[k] for k in ("OMP_NUM_THREADS", *spawn.TF_THREAD_VARIABLES)] == ["3", "3", "2"], env
+
+
 def test_an_outer_jobs_launch_variables_go_and_the_users_open_mpi_settings_stay():
     """Open MPI refuses to run as root (most containers) without OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM), and
     OMPI_MCA_* choose its transports: a launch that dropped every OMPI_ variable could not start there."""

@@ -6,6 +6,7 @@ the bodies import TensorFlow on the ranks only, never in the pytest process."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -368,3 +369,40 @@ def test_sync_batch_normalization_equals_one_process_on_the_whole_batch(ranks):
             assert out[f"{mode}_moved"] > 0.1  # the moving statistics were updated (from the global batch)
             assert out[mode] < 1e-12, out
         assert out["inference"] < 1e-12
+
+
+SHARE_CORES = """
+import os
+import tensorflow as tf
+from hpdl.runtime.spawn import threads_per_rank
+from hpdl.tensorflow import threads
+pools = tf.config.threading
+for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+    os.environ.pop(name, None)
+os.environ["TF_NUM_INTRAOP_THREADS"] = "4"
+assert threads.share_cores(2) is None and pools.get_intra_op_parallelism_threads() == 0  # TensorFlow's own variable
+del os.environ["TF_NUM_INTRAOP_THREADS"]
+assert threads.share_cores(1) is None and pools.get_intra_op_parallelism_threads() == 0  # one rank: TF's own sizing
+assert threads.share_cores(2) == threads_per_rank(2)  # the cores over the ranks of this host
+assert pools.get_intra_op_parallelism_threads() == pools.get_inter_op_parallelism_threads() == threads_per_rank(2)
+os.environ["OMP_NUM_THREADS"] = "3"
+assert threads.share_cores(2) is None, "a size chosen before (by the user, with tf.config.threading) stays"
+pools.set_intra_op_parallelism_threads(0)
+pools.set_inter_op_parallelism_threads(0)
+assert threads.share_cores(2) == 3 and pools.get_inter_op_parallelism_threads() == 3  # OMP_NUM_THREADS, if set
+pools.set_intra_op_parallelism_threads(0)
+pools.set_inter_op_parallelism_threads(0)
+assert float(tf.reduce_sum(tf.ones([4]))) == 4.0  # the runtime starts: its pools are fixed now
+assert threads.share_cores(2) is None and pools.get_intra_op_parallelism_threads() == 0
+print("checked")
+"""
+
+
+def test_tensorflow_pools_get_this_ranks_share_of_the_cores_unless_the_user_chose():
+    """TensorFlow sizes its pools to the whole machine and ignores OMP_NUM_THREADS: on 2 cores 2 ranks fitted a
+    small CNN 1.3-1.8x slower so. `hpdl launch` sets TF's variables (test_launcher.py); init covers mpirun/srun.
+    A fresh process: TensorFlow's pools can be sized only before its runtime starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_NUM_", "OMP_NUM"))}
+    done = subprocess.run([sys.executable, "-c", SHARE_CORES], env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]

@@ -1,13 +1,15 @@
 """`hpdl bench keras`: Keras 3 data parallel on 2 ranks with hpdl.keras, against one process and against DDP.
 
-One launch of 2 MPI ranks per Keras backend; inside it the contenders
+One launch of 2 MPI ranks per Keras backend (on TensorFlow one per round,
+alternating with MultiWorkerMirroredStrategy's); inside it the contenders
 alternate round by round (A B C A B C ...), each on a convolutional and a
 dense model of scikit-learn's digits, from the same initial weights, the
 same data order and the same global batch:
 
     hpdl.keras     model.fit with hvd.DistributedOptimizer on 2 ranks (1 thread each), every rank its half of
                    each global batch
-    one process    model.fit of the whole batch on rank 0 with 2 threads (rank 1 waits in a gloo barrier)
+    one process    model.fit of the whole batch on rank 0 with 2 torch threads (rank 1 waits in a gloo barrier);
+                   on TensorFlow 1 thread per pool, as every contender (TF's pools are fixed at start)
     keras+DDP      torch backend: the Keras model in torch's DistributedDataParallel over gloo, a plain loop
                    (Keras' fit calls the model, not a DDP wrapper), the Keras optimizer applying the gradients
     hpdl.keras loop  the same plain loop with hvd.DistributedOptimizer instead of DDP: the like-for-like peer
@@ -20,7 +22,7 @@ same data order and the same global batch:
     tf_keras MWMS  TensorFlow: `tf.distribute.MultiWorkerMirroredStrategy` on Keras 2 (tf_keras; with Keras 3
                    it is broken since TF 2.16, keras#20585), fit of a dataset of the global batches. Its two
                    processes are its own (TF's collective runtime is set up before any TF op, so it cannot share
-                   the MPI ranks), and they run all its rounds after the others'.
+                   the MPI ranks): on TensorFlow each round is a launch of the ranks and then one of MWMS.
 
 On TensorFlow the report also gives the per-step cost of
 hpdl.tensorflow's numpy_function bridge: the model's gradients reduced by a
@@ -40,7 +42,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -60,6 +62,9 @@ PEERS = ("keras+DDP", "tf_keras MWMS")
 """The other data parallel tools; one process is the baseline every row is divided by, not a peer."""
 BOUND = "no exchange"
 """The ceiling, not a peer: hpdl.keras's ranks without the gradient exchange."""
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+"""1 thread per process for every contender: torch's and TensorFlow's pools (one process sets torch's to 2; TF's
+are fixed when a process starts, and at these sizes 1 thread fits as fast as 2: docs/keras.md)."""
 TARGET = 1.2
 """hpdl.keras on 2 ranks against the best peer that runs (issue #52)."""
 
@@ -74,6 +79,7 @@ class Options:
     epochs: int = 3
     batch: int = 128
     timeout: float = 900.0
+    first_round: int = 0  # the number of a launch's first round (TensorFlow's launches run one round each)
 
 
 def parse(argv: Sequence[str]) -> Options:
@@ -284,7 +290,7 @@ def run_rounds(comm: Any, o: dict) -> list[dict[str, Any]]:
     if "group" not in _GLOO:
         _GLOO["group"] = dist.new_group(backend="gloo")
     records: list[dict[str, Any]] = []
-    for round_ in range(o["rounds"]):
+    for round_ in range(o["first_round"], o["first_round"] + o["rounds"]):
         for kind in o["models"]:
             for name in CONTENDERS[backend]:
                 if name in SEPARATE:
@@ -292,7 +298,7 @@ def run_rounds(comm: Any, o: dict) -> list[dict[str, Any]]:
                 result = _run_contender(name, kind, o, comm)
                 if result is not None:
                     records.append({"backend": backend, "model": kind, "contender": name, "round": round_, **result})
-    if backend == "tensorflow":
+    if backend == "tensorflow" and o["first_round"] == 0:
         for kind in o["models"]:
             cost = _bridge_cost(keras, kind)
             if comm.rank == 0:
@@ -327,8 +333,6 @@ def mwms_worker(spec_path: str, index: int) -> int:
     os.environ["TF_CONFIG"] = json.dumps(cluster)
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # first: before any other TF op
     import tf_keras
 
@@ -338,7 +342,7 @@ def mwms_worker(spec_path: str, index: int) -> int:
     shard = tf.data.Options()
     shard.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     records = []
-    for round_ in range(o["rounds"]):
+    for round_ in range(o["first_round"], o["first_round"] + o["rounds"]):
         for kind in o["models"]:
             with strategy.scope():
                 model = _model(tf_keras, kind)
@@ -358,15 +362,17 @@ def mwms_worker(spec_path: str, index: int) -> int:
     return 0
 
 
-def _run_mwms(options: Options) -> list[dict[str, Any]]:
-    """tf_keras on MultiWorkerMirroredStrategy in two processes of its own (none when tf_keras is missing)."""
+def _has_tf_keras() -> bool:
     import importlib.util
+
+    return importlib.util.find_spec("tf_keras") is not None
+
+
+def _run_mwms(options: Options) -> list[dict[str, Any]]:
+    """tf_keras on MultiWorkerMirroredStrategy in two processes of its own."""
     import socket
     import subprocess
 
-    if importlib.util.find_spec("tf_keras") is None:
-        print("hpdl bench keras: tf_keras is not installed; tf.distribute.MultiWorkerMirroredStrategy is left out")
-        return []
     ports = []
     for _ in range(2):
         with socket.socket() as probe:
@@ -378,7 +384,7 @@ def _run_mwms(options: Options) -> list[dict[str, Any]]:
         path = os.path.join(tmp, "spec.json")
         with open(path, "w") as handle:
             json.dump(spec, handle)
-        env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+        env = dict(os.environ, **dict.fromkeys(THREAD_VARIABLES, "1"), TF_CPP_MIN_LOG_LEVEL="2")
         print("hpdl bench keras: 2 processes of tf_keras on MultiWorkerMirroredStrategy ...", flush=True)
         procs = [subprocess.Popen([sys.executable, "-m", "hpdl.bench.keras", "--mwms-worker", path, str(i)], env=env)
                  for i in range(2)]  # fmt: skip
@@ -406,7 +412,7 @@ def _run_backend(backend: str, options: Options) -> list[dict[str, Any]]:
         with open(path, "w") as handle:
             json.dump(spec, handle)
         env = spawn.job_environment("mpi", 2)
-        env.update(OMP_NUM_THREADS="1", KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+        env.update(dict.fromkeys(THREAD_VARIABLES, "1"), KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
         print(f"hpdl bench keras: 2 ranks, KERAS_BACKEND={backend} ...", flush=True)
         code = spawn.run(2, ["-m", "hpdl.bench.keras", "--worker", path], env=env, timeout=options.timeout,
                          name="keras")  # fmt: skip
@@ -478,12 +484,14 @@ def write_report(options: Options, records: list[dict[str, Any]], elapsed: float
     )
     notes = [
         "hpdl.keras: model.fit with hvd.DistributedOptimizer, 2 MPI ranks x 1 thread, half of each global batch each.",
-        "one process: model.fit of the whole batch, 2 torch threads (rank 1 waits in a gloo barrier).",
+        "one process: model.fit of the whole batch, 2 torch threads (rank 1 waits in a gloo barrier); on "
+        "TensorFlow 1 thread in each of TF's pools, as every contender (a process's pools are fixed when it "
+        "starts; at these sizes one process fits as fast with 1 as with 2: docs/keras.md).",
         "keras+DDP: torch's DistributedDataParallel over gloo around the Keras model, in a plain loop (Keras' fit "
         "cannot call a DDP wrapper); hpdl.keras loop: the same loop with hvd.DistributedOptimizer; torch only.",
         "tf_keras MWMS: tf.distribute.MultiWorkerMirroredStrategy on Keras 2 (tf_keras; with Keras 3 it is broken "
-        "since TF 2.16, keras#20585), 2 worker processes of its own x 1 thread, its rounds after the others'; "
-        "absent from the table where tf_keras is not installed.",
+        "since TF 2.16, keras#20585), 2 worker processes of its own x 1 thread; each round launches the ranks, "
+        "then MWMS; absent from the table where tf_keras is not installed.",
         "no exchange: the bound, not a peer: hpdl.keras's 2 ranks fitting their halves with the bare optimizer, "
         "no gradient exchanged (the slower rank's time); no data parallel fit on these cores passes it.",
         *bridge_notes,
@@ -494,7 +502,7 @@ def write_report(options: Options, records: list[dict[str, Any]], elapsed: float
 
 
 def launch(argv: list[str]) -> int:
-    """`hpdl bench keras [--quick] [--backends torch,tensorflow]`: one launch of 2 ranks per backend, the report."""
+    """`hpdl bench keras [--quick] [--backends torch,tensorflow]`: the launches of each backend, the report."""
     return report.launch_parsed(parse, argv, _run_and_report)
 
 
@@ -502,9 +510,15 @@ def _run_and_report(options: Options) -> int:
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     for backend in options.backends:
-        records += _run_backend(backend, options)
-    if "tensorflow" in options.backends:
-        records += _run_mwms(options)
+        if backend == "tensorflow" and _has_tf_keras():
+            # MWMS runs in processes of its own: the launches alternate with it, a round each
+            for round_ in range(options.rounds):
+                one = replace(options, rounds=1, first_round=round_)
+                records += _run_backend(backend, one) + _run_mwms(one)
+        else:
+            records += _run_backend(backend, options)
+    if "tensorflow" in options.backends and not _has_tf_keras():
+        print("hpdl bench keras: tf_keras is not installed; tf.distribute.MultiWorkerMirroredStrategy is left out")
     write_report(options, records, time.perf_counter() - started)
     return 0
 

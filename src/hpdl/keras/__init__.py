@@ -13,6 +13,11 @@ nothing else in hpdl does. docs/keras.md lists what differs from Horovod.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
+import keras
+
+from hpdl import horovod as _hvd
 from hpdl.horovod import (
     Adasum,
     Average,
@@ -28,7 +33,6 @@ from hpdl.horovod import (
     cross_rank,
     cross_size,
     global_process_set,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -55,6 +59,17 @@ from hpdl.keras.functions import (
 )
 from hpdl.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from hpdl.keras.pipeline import PipelineModel
+
+
+def init(comm: Any = None, process_sets: Optional[Any] = None) -> None:
+    """`hpdl.horovod.init`; on the TensorFlow backend also TensorFlow's thread pools sized to this rank's share
+    of the cores unless the user chose (`hpdl.tensorflow.threads`)."""
+    _hvd.init(comm=comm, process_sets=process_sets)
+    if keras.backend.backend() == "tensorflow":
+        from hpdl.tensorflow import threads
+
+        threads.share_cores(_hvd.local_size())
+
 
 __all__ = [
     "init",

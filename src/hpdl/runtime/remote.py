@@ -27,7 +27,10 @@ __all__ = ["Remote", "spawn_mpi_hosts", "spawn_torch_hosts"]
 
 ANSWER_SECONDS = 30.0
 """How long the clean-up after a failed job may try to reach a host (it runs after the launcher has ended)."""
-_CARRIED = ("PYTHONPATH", "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "UCX_TLS", "GLOO_SOCKET_IFNAME", "PATH")
+_CARRIED = (
+    "PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "THP_MEM_ALLOC_ENABLE",
+    "UCX_TLS", "GLOO_SOCKET_IFNAME", "PATH",
+)  # fmt: skip
 """Besides every HPDL_ variable, what the ranks on another host need of the launcher's environment."""
 
 

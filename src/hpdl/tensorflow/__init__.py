@@ -47,7 +47,7 @@ from hpdl.horovod.basics import (
 )
 from hpdl.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hpdl.horovod.timeline import start_timeline, stop_timeline
-from hpdl.tensorflow import elastic, util
+from hpdl.tensorflow import elastic, threads, util
 from hpdl.tensorflow.bridge import HorovodInternalError
 from hpdl.tensorflow.compression import Compression, Compressor
 from hpdl.tensorflow.functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
@@ -171,8 +171,10 @@ def __getattr__(name: str) -> Any:
 
 
 def init(comm: Any = None, process_sets: Optional[Any] = None) -> None:
-    """Start hpdl (the backend comes from the launcher) and the Horovod state on it (`hpdl.horovod.init`)."""
+    """Start hpdl (the backend comes from the launcher) and the Horovod state on it (`hpdl.horovod.init`), and
+    size TensorFlow's thread pools to this rank's share of the cores unless the user chose (`threads`)."""
     _hvd.init(comm=comm, process_sets=process_sets)
+    threads.share_cores(_hvd.local_size())
 
 
 def shutdown() -> None:
