@@ -301,7 +301,8 @@ def _outcome(error: BaseException) -> str:
 async def transport_failure() -> dict[str, Any]:
     """Kill this rank's progress thread while a read, a connect, a request and a send wait on it: each must fail
     (not hang), and so must every later use. A connection to this same rank carries the traffic (its reader fails
-    with the transport, though nothing of it crosses MPI)."""
+    with the transport, though nothing of it crosses MPI). Rank 0 holds its progress thread meanwhile: its refusal
+    of the connect cannot overtake the failure (it did, once in ~50 runs)."""
     from distributed.comm import connect, listen
     from mpi4py import MPI
 
@@ -446,14 +447,28 @@ def script_main(path: str) -> None:
         merged["_thread_level"] = {"multiple": MPI.Query_thread() == MPI.THREAD_MULTIPLE}
         with open(path, "w") as handle:
             json.dump(merged, handle)
+    if world.rank == 0:  # rank 1's connect below must still wait for rank 0's answer when its transport dies
+        release = hold_progress_thread(get_hub().progress)
+    world.Barrier()
     if world.rank == 1:  # this kills the rank's transport
         failure = asyncio.run(transport_failure())
         with open(path + ".failure", "w") as handle:
             json.dump(failure, handle)
+    world.Barrier()
+    if world.rank == 0:
+        release.set()  # rank 0 refuses the connect now, to a transport that no longer reads
     stalled = stalled_sender(world)  # last: this kills rank 0's transport
     if world.rank == 0:
         with open(path + ".stalled", "w") as handle:
             json.dump(stalled, handle)
+
+
+def hold_progress_thread(progress: Any) -> threading.Event:
+    """Park a rank's progress thread (nothing it receives is answered) until the returned event is set."""
+    running, release = threading.Event(), threading.Event()
+    progress.submit(lambda: (running.set(), release.wait(60)))
+    assert running.wait(30), "the progress thread did not take the hold"
+    return release
 
 
 def stalled_sender(world: Any) -> dict[str, Any]:
