@@ -32,5 +32,7 @@ def test_gpu_check_dry_run_on_cpu(capsys):
         assert results[("torch", check)].startswith("PASS torch cpu tensors"), results
 
 
-def test_gpu_check_refuses_cuda_without_a_gpu_or_passes_with_one():
+def test_gpu_check_refuses_cuda_without_a_gpu_or_passes_with_one(capsys):
     assert launch(["--device", "cuda", "--timeout", "120"]) == (0 if torch.cuda.is_available() else 1)
+    if not torch.cuda.is_available():
+        assert "no CUDA device here; use --device cpu for a dry run" in capsys.readouterr().err

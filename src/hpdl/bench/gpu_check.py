@@ -55,12 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NO_CUDA = "hpdl bench gpu: no CUDA device here; use --device cpu for a dry run"
+
+
 def launch(argv: list[str]) -> int:
     """Run the checks (two short jobs) and print the table; non-zero when a check fails."""
     try:
         options = build_parser().parse_args(argv)
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else 0
+    if options.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # at once, not from every rank of three jobs
+            print(NO_CUDA, file=sys.stderr)
+            return 1
     from hpdl.cli.info import collect
 
     info = collect()
@@ -91,7 +100,7 @@ def _device(choice: str) -> Any:
     import torch
 
     if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("hpdl bench gpu: no CUDA device here; use --device cpu for a dry run")
+        raise SystemExit(NO_CUDA)
     return torch.device(choice)
 
 
