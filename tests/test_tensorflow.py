@@ -399,8 +399,8 @@ print("checked")
 
 
 def test_tensorflow_pools_get_this_ranks_share_of_the_cores_unless_the_user_chose():
-    """TensorFlow sizes its pools to the whole machine and ignores OMP_NUM_THREADS: on 2 cores 2 ranks fitted a
-    small CNN 1.3-1.8x slower so. `hpdl launch` sets TF's variables (test_launcher.py); init covers mpirun/srun.
+    """TensorFlow sizes its pools to the whole machine and ignores OMP_NUM_THREADS (docs/keras.md: the cost on
+    2 ranks of 2 cores). `hpdl launch` sets TF's variables (test_launcher.py); init covers mpirun/srun.
     A fresh process: TensorFlow's pools can be sized only before its runtime starts."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_NUM_", "OMP_NUM"))}
     done = subprocess.run([sys.executable, "-c", SHARE_CORES], env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"},

@@ -124,12 +124,11 @@ def job_environment(
     """The ranks' environment: the backend chosen, no launcher variables of an outer job, hpdl importable.
 
     OMP_NUM_THREADS defaults to the cores per rank, and TensorFlow's two thread pools get the same number
-    (TF_NUM_INTRAOP_THREADS, TF_NUM_INTEROP_THREADS; TensorFlow ignores OMP_NUM_THREADS and would give every
-    rank pools as large as the machine: 2 ranks on 2 cores fitted a small CNN 1.3-1.8x slower so). torch's
-    CPU allocator puts tensors of 2 MB and more
-    on transparent huge pages (THP_MEM_ALLOC_ENABLE=1): with 4 KB pages every step's fresh activations cost a
-    page fault per 4 KB (a 2048 x 2048 CNN step: 1.1 million faults, 2.1 s of kernel time against 0.9 s of
-    compute; with huge pages 15,000 faults and 0.3 s). A caller's setting wins for each.
+    (TF_NUM_INTRAOP_THREADS, TF_NUM_INTEROP_THREADS: TensorFlow ignores OMP_NUM_THREADS, and every rank's pools
+    would take the whole machine; docs/keras.md has the cost). torch's CPU allocator puts tensors of 2 MB and
+    more on transparent huge pages (THP_MEM_ALLOC_ENABLE=1): with 4 KB pages every step's fresh activations
+    cost a page fault per 4 KB (a 2048 x 2048 CNN step: 1.1 million faults, 2.1 s of kernel time against 0.9 s
+    of compute; with huge pages 15,000 faults and 0.3 s). A caller's setting wins for each.
     """
     env = {k: v for k, v in (os.environ if base is None else base).items() if not _outer_launch_variable(k)}
     env["HPDL_BACKEND"] = backend

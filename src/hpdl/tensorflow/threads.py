@@ -2,8 +2,8 @@
 
 TensorFlow sizes both of its pools (intra-op and inter-op) to the whole
 machine and ignores OMP_NUM_THREADS, so N ranks on one host run N pools of
-every core each: 2 ranks on 2 cores fitted a small CNN 1.3-1.8x slower so
-than with a thread each (docs/keras.md). `hpdl launch` sets TensorFlow's
+every core each (2 ranks on 2 cores: a small CNN's step took 5.7-11.5 ms so,
+5.0-6.3 ms with a thread per pool; docs/keras.md). `hpdl launch` sets TensorFlow's
 own variables for its ranks (`spawn.job_environment`); this covers
 mpirun, srun and torchrun. The user's choice wins: TF_NUM_INTRAOP_THREADS
 or TF_NUM_INTEROP_THREADS, or `tf.config.threading` set before `init`;
