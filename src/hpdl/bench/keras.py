@@ -509,16 +509,17 @@ def launch(argv: list[str]) -> int:
 def _run_and_report(options: Options) -> int:
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
+    mwms = _has_tf_keras()
+    if "tensorflow" in options.backends and not mwms:
+        print("hpdl bench keras: tf_keras is not installed; tf.distribute.MultiWorkerMirroredStrategy is left out")
     for backend in options.backends:
-        if backend == "tensorflow" and _has_tf_keras():
+        if backend == "tensorflow" and mwms:
             # MWMS runs in processes of its own: the launches alternate with it, a round each
             for round_ in range(options.rounds):
                 one = replace(options, rounds=1, first_round=round_)
                 records += _run_backend(backend, one) + _run_mwms(one)
         else:
             records += _run_backend(backend, options)
-    if "tensorflow" in options.backends and not _has_tf_keras():
-        print("hpdl bench keras: tf_keras is not installed; tf.distribute.MultiWorkerMirroredStrategy is left out")
     write_report(options, records, time.perf_counter() - started)
     return 0
 
