@@ -109,7 +109,7 @@ def poll_cap() -> float:
     return settings.number("HPDL_DASK_POLL_MAX_US") * 1e-6  # the registry's bounds: 10 to 1000000 us
 
 
-def _fine_timer(name: str) -> None:
+def _tune_this_thread(name: str) -> None:
     """Let this thread's short sleeps last what they ask (Linux adds up to 50 us of timer slack to each), and give
     it its name in the kernel's view (top -H, perf, /proc/PID/task: what its CPU costs, apart from the loops')."""
     try:
@@ -260,7 +260,7 @@ class Progress:
         self._failure_handlers.append(handler)
 
     def _run(self) -> None:
-        _fine_timer(self.thread.name)  # mpi4py is imported with the first request (importing it initialises MPI)
+        _tune_this_thread(self.thread.name)  # mpi4py is imported with the first request (importing it initialises MPI)
         drain_until: Optional[float] = None
         try:
             while True:

@@ -62,13 +62,14 @@ from hpdl.keras.pipeline import PipelineModel
 
 
 def init(comm: Any = None, process_sets: Optional[Any] = None) -> None:
-    """`hpdl.horovod.init`; on the TensorFlow backend also TensorFlow's thread pools sized to this rank's share
-    of the cores unless the user chose (`hpdl.tensorflow.threads`)."""
-    _hvd.init(comm=comm, process_sets=process_sets)
+    """`hpdl.horovod.init`; on the TensorFlow backend `hpdl.tensorflow.init`, which also sizes TensorFlow's thread
+    pools to this rank's share of the cores unless the user chose."""
     if keras.backend.backend() == "tensorflow":
-        from hpdl.tensorflow import threads
+        from hpdl import tensorflow as hvd_tensorflow
 
-        threads.share_cores(_hvd.local_size())
+        hvd_tensorflow.init(comm=comm, process_sets=process_sets)
+    else:
+        _hvd.init(comm=comm, process_sets=process_sets)
 
 
 __all__ = [
